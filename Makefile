@@ -1,0 +1,69 @@
+# tinyserve: notebooks, labs and a small LLM inference engine.
+# Needs only python3 (3.10+) and make; everything else goes into .venv.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Extra pip options (an index with CPU-only torch wheels, a proxy, ...).
+PIP_ARGS ?=
+# Folder `make lab` opens; `make lab DIR=labs` for the student labs.
+DIR ?= chapters
+
+.DEFAULT_GOAL := help
+.PHONY: help venv install lab test demo execute labs grade clean
+
+help:
+	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
+	@echo "make test     run every test: unit tests, notebooks (nbval), labs checks"
+	@echo "make demo     run the engine demo (python -m tinyserve.demo)"
+	@echo "make execute  re-run all notebooks in chapters/ and solutions/ in place, rebuild labs/"
+	@echo "make labs     build labs/ from solutions/"
+	@echo "make grade NB=path/to/lab.ipynb   run a student's lab and print its score"
+	@echo "make venv     create .venv with \$$(PYTHON) (default python3)"
+	@echo "make install  pip install -e '.[dev]' into .venv (again only when pyproject.toml changes)"
+	@echo "make clean    remove .venv, caches and build artifacts (notebooks and labs stay)"
+
+venv: $(PY)
+
+# Created only when missing.
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP)
+
+# Reinstall only when pyproject.toml is newer than the last install.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install $(PIP_ARGS) -e '.[dev]'
+	touch $@
+
+# Jupyter refuses to run as root unless told; classroom containers often are root.
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(DIR) --ServerApp.ip=127.0.0.1 \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
+
+# One pytest run. --nbval-current-env runs notebooks with this venv's python,
+# whatever kernel a machine has installed globally.
+test: $(STAMP)
+	$(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
+
+demo: $(STAMP)
+	$(PY) -m tinyserve.demo
+
+execute: $(STAMP)
+	$(PY) -m tinyserve.notebooks execute chapters solutions
+	$(MAKE) labs
+
+labs: $(STAMP)
+	$(PY) -m tinyserve.labs build
+
+# Check NB before any (slow) set-up.
+grade:
+	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook.ipynb" >&2; exit 2; }
+	@$(MAKE) -s --no-print-directory install
+	$(PY) -m tinyserve.labs grade "$(NB)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist
+	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \
+		-o -name .ipynb_checkpoints -o -name .virtual_documents \) -prune -exec rm -rf {} +

@@ -1,0 +1,292 @@
+"""The engine loop: requests in, one scheduled forward pass per step, tokens out.
+
+``LLMEngine`` is the step-by-step interface a server drives (add_request, step,
+abort); ``LLM`` wraps it for offline use: ``LLM("tiny").generate(prompts)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from tinyserve.executor import ModelExecutor
+from tinyserve.kv_cache import BlockManager, blocks_for
+from tinyserve.metrics import RequestMetrics, StepStats
+from tinyserve.model import LlamaForServing, get_preset
+from tinyserve.request import Request, RequestStatus, SamplingParams
+from tinyserve.scheduler import Scheduler, SchedulerConfig
+from tinyserve.tokenizer import ByteBPETokenizer, load_default_tokenizer
+
+TOKENIZER_FILE = "tinyserve_tokenizer.json"
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]            # every output token so far
+    new_token_ids: list[int]        # the ones produced by this step (for streaming)
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    text: str | None = None         # filled when finished
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForServing, tokenizer: ByteBPETokenizer,
+                 config: SchedulerConfig, num_kv_blocks: int, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter):
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"model: vocab_size {model.config.vocab_size} is smaller than the "
+                             f"tokenizer's {tokenizer.vocab_size}")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.clock = clock
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed)
+        self.requests: dict[str, Request] = {}
+        self.step_stats: list[StepStats] = []
+        self._ids = itertools.count()
+
+    # ---- input -------------------------------------------------------------------
+
+    def to_token_ids(self, prompt: Prompt) -> list[int]:
+        """Validate a prompt (text or token ids) and return its token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model.config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Reject a request the engine could never finish, before it takes a seat."""
+        cfg = self.config
+        if num_prompt_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, longer than the model's "
+                             f"context (max_model_len={cfg.max_model_len})")
+        total = min(num_prompt_tokens + params.max_tokens, cfg.max_model_len)
+        need = blocks_for(total, cfg.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the cache has "
+                             f"only num_kv_blocks={self.block_manager.num_blocks}")
+        if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
+            # Without chunking a prompt (or its recompute after preemption) must fit one step.
+            raise ValueError(f"request of up to {total} tokens exceeds max_num_batched_tokens="
+                             f"{cfg.max_num_batched_tokens}; enable_chunked_prefill or raise the budget")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> str:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.to_token_ids(prompt)
+        self.check_fits(len(ids), params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, ids, params,
+                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          prompt=prompt if isinstance(prompt, str) else None,
+                          eos_token_id=self.tokenizer.eos_token_id, priority=priority)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        request = self.scheduler.abort(request_id, self.clock())
+        if request is None:
+            return False
+        self.executor.release(request_id)
+        del self.requests[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the loop ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Plan, run the model once, record results. Returns requests that advanced."""
+        start = self.clock()
+        plan = self.scheduler.schedule(start)
+        planned = self.clock()
+        sampled = self.executor.execute(plan)
+        ran = self.clock()
+        finished = self.scheduler.update(plan, sampled, ran)
+        outputs = [self._output(item.request, item.samples) for item in plan.scheduled]
+        for request in finished:
+            self.executor.release(request.request_id)
+            del self.requests[request.request_id]
+        end = self.clock()
+        decode_tokens = sum(1 for s in plan.scheduled if s.is_decode)
+        self.step_stats.append(StepStats(
+            start=start, duration=end - start, schedule_time=(planned - start) + (end - ran),
+            num_running=plan.num_running, num_waiting=plan.num_waiting,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            num_prefill_tokens=plan.num_scheduled_tokens - decode_tokens,
+            num_decode_tokens=decode_tokens, num_preempted=len(plan.preempted),
+            kv_usage=self.block_manager.usage))
+        return [o for o in outputs if o is not None]
+
+    def _output(self, request: Request, sampled: bool) -> RequestOutput | None:
+        if not sampled:
+            return None     # a prefill chunk that produced no token yet
+        done = request.is_finished
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            new_token_ids=request.output_token_ids[-1:],
+            finished=done, finish_reason=request.finish_reason,
+            metrics=request_metrics(request),
+            text=self.tokenizer.decode(request.output_token_ids) if done else None)
+
+
+def request_metrics(request: Request) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time, finished_time=request.finished_time,
+        token_times=list(request.token_times), num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=len(request.output_token_ids), num_preemptions=request.num_preemptions)
+
+
+# ---- the offline front door ---------------------------------------------------------
+
+def device() -> str:
+    """Where tinyserve runs by default: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LLM:
+    """Offline batch generation, with vLLM's knob names.
+
+    ``model`` is a preset name (random weights from ``seed``) or a directory in
+    Hugging Face Llama format. ``num_kv_blocks=None`` sizes the cache to hold
+    ``max_num_seqs`` full-length requests, within ``kv_cache_memory`` bytes.
+    """
+
+    def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 256, block_size: int = 16,
+                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, batching: str = "continuous",
+                 policy: str = "fcfs", max_model_len: int | None = None,
+                 dtype: str = "float32", device: str | None = None,
+                 kv_cache_memory: int = 512 * 2**20,
+                 clock: Callable[[], float] = time.perf_counter):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        net, tokenizer = load_model(model, seed)
+        self.model = net.to(device=device or globals()["device"](), dtype=DTYPES[dtype])
+        self.tokenizer = tokenizer
+        context = net.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = context
+        elif not isinstance(max_model_len, int) or not 1 <= max_model_len <= context:
+            raise ValueError(f"max_model_len must be in [1, {context}], got {max_model_len!r}")
+        config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 block_size=block_size, batching=batching, policy=policy,
+                                 enable_chunked_prefill=enable_chunked_prefill,
+                                 max_model_len=max_model_len)
+        if num_kv_blocks is None:
+            per_block = net.config.kv_bytes_per_token(DTYPES[dtype]) * block_size
+            wanted = max_num_seqs * blocks_for(max_model_len, block_size)
+            num_kv_blocks = max(1, min(wanted, kv_cache_memory // per_block))
+        elif not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
+        # Prefix caching is accepted now (vLLM's default is on) and implemented with
+        # block hashing in the request-journey chapter.
+        self.enable_prefix_caching = enable_prefix_caching
+        self.engine = LLMEngine(self.model, tokenizer, config, num_kv_blocks, seed=seed, clock=clock)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        engine = self.engine
+        # Validate everything first so that one bad prompt adds nothing.
+        for prompt, p in zip(prompts, params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            engine.check_fits(len(engine.to_token_ids(prompt)), p)
+        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = _progress(len(ids), use_tqdm)
+        while len(results) < len(ids):
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("engine stopped with requests unfinished")
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        path = self.model.save_pretrained(path)
+        self.tokenizer.save(Path(path) / TOKENIZER_FILE)
+        return path
+
+
+def _progress(total: int, use_tqdm: bool | None):
+    if use_tqdm is None:
+        use_tqdm = total >= 64
+    if not use_tqdm:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="generate", unit="req")
+
+
+def load_model(model: str, seed: int) -> tuple[LlamaForServing, ByteBPETokenizer]:
+    if not isinstance(model, (str, Path)):
+        raise ValueError(f"model must be a preset name or a directory, got {type(model).__name__}")
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").exists():
+        net = LlamaForServing.from_pretrained(path)
+        tokenizer_file = path / TOKENIZER_FILE
+        tokenizer = (ByteBPETokenizer.load(tokenizer_file) if tokenizer_file.exists()
+                     else load_default_tokenizer())
+        return net, tokenizer
+    return LlamaForServing.from_seed(get_preset(str(model)), seed), load_default_tokenizer()

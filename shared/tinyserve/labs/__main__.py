@@ -1,0 +1,51 @@
+"""Command line for the lab tooling.
+
+    python -m tinyserve.labs build [--solutions solutions --labs labs]
+    python -m tinyserve.labs check [--solutions solutions --labs labs]
+    python -m tinyserve.labs grade NB...
+"""
+
+import argparse
+import sys
+
+from tinyserve.labs.build import build_all, check_all
+from tinyserve.labs.grade import format_table, grade_notebook
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tinyserve.labs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in [
+        ("build", "write labs/ from solutions/"),
+        ("check", "fail if labs/ is stale or leaks a solution"),
+    ]:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--solutions", default="solutions", help="folder of solution notebooks")
+        p.add_argument("--labs", default="labs", help="folder of generated student notebooks")
+    g = sub.add_parser("grade", help="run a student's notebook and print a score table")
+    g.add_argument("notebooks", nargs="+", metavar="NB")
+    args = parser.parse_args(argv)
+
+    if args.command == "build":
+        for path in build_all(args.solutions, args.labs):
+            print(f"wrote {path}")
+        return 0
+
+    if args.command == "check":
+        problems = check_all(args.solutions, args.labs)
+        for p in problems:
+            print(p, file=sys.stderr)
+        if problems:
+            print("labs/ is not up to date: run `make labs` (python -m tinyserve.labs build)", file=sys.stderr)
+            return 1
+        print(f"{args.labs}/ is up to date and leaks no solution")
+        return 0
+
+    for nb in args.notebooks:
+        print(f"== {nb}")
+        print(format_table(grade_notebook(nb)))
+    return 0  # the score is the result, not the exit code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Grade a student's lab: run it, then score its check cells.
+
+A check cell passes when it ran without raising. Errors are allowed while
+running, so one failing exercise does not hide the score of the others.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from nbclient.exceptions import DeadKernelError
+
+from tinyserve.labs.build import check_name, is_check_cell
+from tinyserve.notebooks import run
+
+
+@dataclass
+class CheckResult:
+    index: int  # cell index in the notebook
+    name: str  # the check function called, or the cell's first line
+    passed: bool
+    error: str  # "" when passed
+
+
+def short_error(cell, limit=100):
+    """'Type: first line of message' of the cell's error output, or ''."""
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            lines = str(out.get("evalue", "")).strip().splitlines()
+            text = f"{out.get('ename', 'Error')}: {lines[0] if lines else ''}".rstrip(": ")
+            return text if len(text) <= limit else text[: limit - 1] + "…"
+    return ""
+
+
+def grade_notebook(path):
+    """Execute the notebook at path and return one CheckResult per check cell."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    died = ""
+    try:
+        # A student's endless loop is interrupted and counts as that cell's error.
+        run(nb, path.parent, allow_errors=True, interrupt_on_timeout=True)
+    except DeadKernelError as e:
+        died = f"not run: kernel died ({e})"
+
+    results = []
+    for index, cell in enumerate(nb.cells):
+        if not is_check_cell(cell):
+            continue
+        first_line = next((s for s in cell.source.splitlines() if s.strip()), "")
+        name = check_name(cell.source) or first_line.strip()
+        error = short_error(cell)
+        if not error and cell.get("execution_count") is None:
+            error = died or "not run"
+        results.append(CheckResult(index, name, not error, error))
+    return results
+
+
+def format_table(results):
+    """The score table as text, ending with the total."""
+    if not results:
+        return "no check cells found\nscore: 0/0"
+    width = max(len("check"), *(len(r.name) for r in results))
+    lines = [f"{'cell':>4}  {'check':<{width}}  result  error"]
+    for r in results:
+        lines.append(f"{r.index:>4}  {r.name:<{width}}  {'PASS' if r.passed else 'FAIL':<6}  {r.error}")
+    passed = sum(r.passed for r in results)
+    lines.append(f"score: {passed}/{len(results)}")
+    return "\n".join(lines)

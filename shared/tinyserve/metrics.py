@@ -1,0 +1,110 @@
+"""Latency and throughput metrics, defined as vLLM's serving benchmark defines them.
+
+* TTFT (time to first token, 首字延迟): first token time - arrival time.
+* TPOT (time per output token, 出字速度): (e2e - ttft) / (output tokens - 1);
+  undefined for a one-token output.
+* ITL (inter-token latency): the gaps between consecutive output tokens.
+* E2E: finish time - arrival time.
+* Throughput: output tokens (or requests) per second of wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_times: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Time spent waiting before the first step that ran any of the request's tokens."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_output_tokens < 2 or self.e2e is None:
+            return None
+        return (self.e2e - self.ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class StepStats:
+    """One engine step: what ran, how long it took, what was left waiting."""
+    start: float
+    duration: float
+    schedule_time: float        # scheduler + bookkeeping, outside the model
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    kv_usage: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _describe(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        nan = float("nan")
+        return {f"mean_{prefix}": nan, f"median_{prefix}": nan, f"p99_{prefix}": nan}
+    return {f"mean_{prefix}": statistics.fmean(values),
+            f"median_{prefix}": percentile(values, 50),
+            f"p99_{prefix}": percentile(values, 99)}
+
+
+def summarize(metrics: list[RequestMetrics], duration: float | None = None) -> dict[str, float]:
+    """Aggregate per-request metrics (seconds) into a benchmark summary.
+
+    ``duration`` defaults to first arrival → last finish.
+    """
+    done = [m for m in metrics if m.finished_time is not None]
+    if duration is None and done:
+        duration = max(m.finished_time for m in done) - min(m.arrival_time for m in done)
+    output_tokens = sum(m.num_output_tokens for m in done)
+    summary = {
+        "completed": len(done),
+        "duration": duration or 0.0,
+        "total_output_tokens": output_tokens,
+        "output_throughput": output_tokens / duration if duration else float("nan"),
+        "request_throughput": len(done) / duration if duration else float("nan"),
+    }
+    summary.update(_describe("ttft", [m.ttft for m in done if m.ttft is not None]))
+    summary.update(_describe("tpot", [m.tpot for m in done if m.tpot is not None]))
+    summary.update(_describe("itl", [gap for m in done for gap in m.itl]))
+    summary.update(_describe("e2e", [m.e2e for m in done]))
+    return summary

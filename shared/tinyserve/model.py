@@ -1,0 +1,335 @@
+"""A Llama-style decoder that reads and writes a paged KV cache.
+
+The layers are the ones of Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary
+position embeddings, SwiGLU MLP, grouped-query attention) and the parameters
+carry the same names, so a model saved here loads in ``transformers`` and the
+two give the same greedy tokens.
+
+What differs from a training-style model is the attention: one forward runs a
+*packed* batch, the new tokens of every scheduled request laid end to end
+(a 300-token prefill chunk of one request next to single decode tokens of
+others). Each token's K and V are written into the cache slot chosen by the
+block manager, and each request then attends over its own blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    bos_token_id: int = 2045
+    eos_token_id: int = 2046
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        return 2 * v * h + self.num_hidden_layers * per_layer + h
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """K and V of one token across all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+# vocab 2048 matches the shipped tokenizer; special ids are its last three
+# (<|bos|>, <|eos|>, <|pad|>).
+PRESETS: dict[str, ModelConfig] = {
+    # ~0.4M parameters: fast enough for hundreds of test generations.
+    "tiny": ModelConfig(),
+    # ~4M parameters: still quick on CPU, big enough to look like a model.
+    "small": ModelConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=1024),
+    # ~100M parameters (400 MB in fp32): far past a CPU's last-level cache, so a
+    # decode step must stream every weight from DRAM and is bandwidth-bound,
+    # like a real LLM on a GPU.
+    "cpu-bench": ModelConfig(hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=4,
+                             max_position_embeddings=1024),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"model: unknown preset {name!r}; choose one of {sorted(PRESETS)} "
+                         "or give a directory saved with save_pretrained")
+    return PRESETS[name]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens sit in the packed batch and in the cache.
+
+    Requests are ordered decode-first: the first ``num_decodes`` have exactly
+    one new token, the rest are prefill chunks.
+    """
+    slot_mapping: torch.Tensor      # [T] cache slot (block * block_size + offset) of each new token
+    query_lens: list[int]           # new tokens per request
+    context_lens: list[int]         # tokens in the cache per request after this step
+    block_tables: torch.Tensor      # [R, max_blocks] int64, padded with 0
+    num_decodes: int
+    decode_context_lens: torch.Tensor  # [num_decodes] int64, on the model's device
+
+
+class KVCache:
+    """K and V for every layer: [layers, num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (config.num_hidden_layers, num_blocks, block_size,
+                 config.num_key_value_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the weight dtype, as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; the "rotate half" layout of Llama checkpoints in HF format.
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Copy each request's blocks into a dense [R, max_blocks * block_size, H, D] tensor."""
+    blocks = cache[block_tables]                       # [R, max_blocks, bs, H, D]
+    r, nb, bs, h, d = blocks.shape
+    return blocks.reshape(r, nb * bs, h, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, kv, bias=False)
+        self.v_proj = nn.Linear(h, kv, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        start = nd
+        for r in range(nd, len(meta.query_lens)):
+            n, ctx = meta.query_lens[r], meta.context_lens[r]
+            out[start:start + n] = self._prefill(q[start:start + n], k_cache, v_cache,
+                                                 meta.block_tables[r], ctx)
+            start += n
+        return self.o_proj(out.reshape(t, -1))
+
+    def _decode(self, q, k_cache, v_cache, meta):
+        """All single-token requests at once: pad their contexts, mask the padding."""
+        nd = meta.num_decodes
+        max_ctx = int(max(meta.context_lens[:nd]))
+        max_blocks = -(-max_ctx // k_cache.shape[1])
+        tables = meta.block_tables[:nd, :max_blocks]
+        keys = gather_kv(k_cache, tables)[:, :max_ctx].transpose(1, 2)    # [B, Hkv, S, D]
+        values = gather_kv(v_cache, tables)[:, :max_ctx].transpose(1, 2)
+        valid = torch.arange(max_ctx, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                           attn_mask=valid[:, None, None, :],
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[:, :, 0, :]
+
+    def _prefill(self, q, k_cache, v_cache, table, ctx):
+        """One request's chunk of n new tokens attends causally over its ctx cached tokens."""
+        n = q.shape[0]
+        bs = k_cache.shape[1]
+        table = table[: -(-ctx // bs)]
+        keys = k_cache[table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        values = v_cache[table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        query_pos = torch.arange(ctx - n, ctx, device=q.device)
+        causal = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
+                                           values.transpose(0, 1), attn_mask=causal,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Named like transformers' ``LlamaModel`` so parameter names line up."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForServing(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_seed(cls, config: ModelConfig, seed: int = 0) -> "LlamaForServing":
+        """Random weights, identical on every machine for the same seed."""
+        model = cls(config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                    p.fill_(1.0)
+                elif name == "model.embed_tokens.weight":
+                    p.copy_(torch.randn(p.shape, generator=gen))
+                else:
+                    # 1/sqrt(fan_in) keeps activations O(1) through the stack, so
+                    # logits are well separated and greedy ties (which would make
+                    # token-for-token comparisons fragile) are rare.
+                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run the packed batch; return logits only for the rows in ``logits_indices``
+        (the last new token of each request that is due to sample)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta, kv_cache)
+        x = self.model.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+    # ---- Hugging Face Llama format -------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        c = self.config
+        hf_config = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "max_position_embeddings": c.max_position_embeddings,
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False, "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_id,
+            "torch_dtype": str(self.lm_head.weight.dtype).removeprefix("torch."),
+        }
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "LlamaForServing":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        raw = json.loads((path / "config.json").read_text())
+        if raw.get("model_type", "llama") != "llama":
+            raise ValueError(f"model: {path} holds a {raw.get('model_type')!r} model, not llama")
+        known = {f.name for f in fields(ModelConfig)}
+        rope = raw.get("rope_parameters") or {}
+        if "rope_theta" not in raw and "rope_theta" in rope:
+            raw["rope_theta"] = rope["rope_theta"]
+        if raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]) * \
+                raw["num_attention_heads"] != raw["hidden_size"]:
+            raise ValueError("model: head_dim * num_attention_heads must equal hidden_size")
+        config = ModelConfig(**{k: v for k, v in raw.items() if k in known and v is not None})
+        model = cls(config)
+        state = load_file(str(path / "model.safetensors"))
+        if raw.get("tie_word_embeddings") and "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state)
+        return model.eval()

@@ -1,0 +1,114 @@
+"""A request and what it asks for.
+
+Status machine::
+
+    WAITING ──admitted──▶ RUNNING ──stop / length / abort──▶ FINISHED
+       ▲                     │
+       └──── PREEMPTED ◀─────┘  (blocks ran out: its KV is dropped and recomputed later)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Field names and meanings as in vLLM's ``SamplingParams``."""
+    max_tokens: int = 16
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 = no limit
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 (no limit) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    eos_token_id: int | None = None
+    priority: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache. Reset to 0 on preemption (recompute).
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    num_preemptions: int = 0
+
+    # Timestamps (seconds on the engine's clock).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    # Per-step record of (time, num_new_tokens) this request was scheduled for.
+    schedule_log: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the cache does not yet hold every known token but the last."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def max_total_tokens(self, max_model_len: int) -> int:
+        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """Finish reason after the newest output token, or None to go on."""
+        params, last = self.sampling_params, self.output_token_ids[-1]
+        if not params.ignore_eos and last == self.eos_token_id:
+            return "stop"
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,245 @@
+"""Who runs in the next step, and for how many tokens.
+
+Each call to ``Scheduler.schedule`` plans one forward pass under three limits:
+seats (``max_num_seqs``), a token budget (``max_num_batched_tokens``) and free
+KV blocks. Two batching modes share the code:
+
+* ``continuous``: every step, requests that finished last step have already
+  left (their blocks freed); running requests go first, then waiting ones are
+  admitted while seats, budget and blocks allow.
+* ``static``: a batch is formed only when nobody is running; it runs until its
+  last member finishes, and nobody joins in between (finished members leave
+  empty seats behind).
+
+When a running request needs a block and none is free, the most recently
+admitted request is *preempted by recompute*: its blocks are freed and it goes
+back to the front of the queue; when re-admitted, its prompt and the tokens it
+already produced are prefilled again, so its output does not change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tinyserve.kv_cache import BlockManager
+from tinyserve.request import Request, RequestStatus
+
+
+# ---- policies: which waiting request is admitted next ------------------------------
+
+class Policy:
+    """Orders the waiting queue. ``select`` returns the index of the next request to admit."""
+    name = "base"
+
+    def select(self, waiting: deque[Request], now: float) -> int:
+        raise NotImplementedError
+
+
+class FCFSPolicy(Policy):
+    """First come, first served (preempted requests were put back at the front)."""
+    name = "fcfs"
+
+    def select(self, waiting, now):
+        return 0
+
+
+POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy}
+
+
+def make_policy(name: str) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"policy: unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+# ---- configuration and plan -------------------------------------------------------
+
+BATCHING_MODES = ("continuous", "static")
+
+
+@dataclass
+class SchedulerConfig:
+    """Knob names and meanings follow vLLM's scheduler config."""
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    batching: str = "continuous"
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 512
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching: unknown batching mode {self.batching!r}; "
+                             f"choose one of {list(BATCHING_MODES)}")
+        make_policy(self.policy)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int           # tokens whose K/V this step computes
+    block_table: list[int]
+    # Does this step reach the request's last known token (so it emits one)?
+    samples: bool = False
+    # One new token after earlier outputs (not a prefill chunk or a recompute).
+    is_decode: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_waiting: int = 0          # queue length after this plan
+    num_running: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = make_policy(config.policy)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []    # in admission order
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str, now: float) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, "abort", now)
+                    return request
+        return None
+
+    # ---- planning --------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        if cfg.batching == "static" and not self.running:
+            # Form a new batch: seats are the only limit here; the token budget and
+            # blocks are applied below as its members get scheduled.
+            while self.waiting and len(self.running) < cfg.max_num_seqs:
+                self._admit(self._pop_next(now))
+
+        # 1. Running requests first (decodes and unfinished prefill chunks).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._tokens_to_run(request, budget)
+            if n == 0:                      # a whole prompt that does not fit this step
+                i += 1
+                continue
+            while not bm.can_allocate(request.request_id, request.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break
+            out.scheduled.append(self._schedule(request, n, now))
+            budget -= n
+            i += 1
+
+        # 2. Admit waiting requests (continuous batching only), unless we just had
+        #    to preempt: then the cache is full and admitting would thrash.
+        if cfg.batching == "continuous" and not out.preempted:
+            while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+                index = self.policy.select(self.waiting, now)
+                request = self.waiting[index]
+                n = self._tokens_to_run(request, budget)
+                if n == 0 or not bm.can_allocate(request.request_id, n):
+                    break
+                del self.waiting[index]
+                self._admit(request)
+                out.scheduled.append(self._schedule(request, n, now))
+                budget -= n
+
+        out.num_waiting, out.num_running = len(self.waiting), len(self.running)
+        return out
+
+    def _tokens_to_run(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _pop_next(self, now: float) -> Request:
+        index = self.policy.select(self.waiting, now)
+        request = self.waiting[index]
+        del self.waiting[index]
+        return request
+
+    def _admit(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _schedule(self, request: Request, n: int, now: float) -> ScheduledRequest:
+        self.block_manager.allocate(request.request_id, request.num_computed_tokens + n)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        request.schedule_log.append((now, n))
+        remaining = request.num_tokens - request.num_computed_tokens
+        return ScheduledRequest(request, n, list(self.block_manager.block_table(request.request_id)),
+                                samples=n == remaining,
+                                is_decode=bool(request.output_token_ids) and remaining == 1)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the forward pass ---------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
+        """Record the step's results; retire finished requests and free their blocks."""
+        finished = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.samples:
+                continue
+            request.output_token_ids.append(sampled[request.request_id])
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = request.check_stop(self.config.max_model_len)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason, now)
+                finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, reason: str, now: float) -> None:
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = now
