@@ -136,6 +136,7 @@ class LLMEngine:
         start = self.clock()
         plan = self.scheduler.schedule(start)
         planned = self.clock()
+        self.executor.last_prepare_time = 0.0
         sampled = self.executor.execute(plan)
         ran = self.clock()
         finished = self.scheduler.update(plan, sampled, ran)
@@ -147,11 +148,13 @@ class LLMEngine:
         decode_tokens = sum(1 for s in plan.scheduled if s.is_decode)
         self.step_stats.append(StepStats(
             start=start, duration=end - start, schedule_time=(planned - start) + (end - ran),
+            prepare_time=self.executor.last_prepare_time,
             num_running=plan.num_running, num_waiting=plan.num_waiting,
             num_scheduled_tokens=plan.num_scheduled_tokens,
             num_prefill_tokens=plan.num_scheduled_tokens - decode_tokens,
             num_decode_tokens=decode_tokens, num_preempted=len(plan.preempted),
-            kv_usage=self.block_manager.usage))
+            num_used_blocks=self.block_manager.num_used_blocks, kv_usage=self.block_manager.usage,
+            batch=[(s.request.request_id, s.num_new_tokens) for s in plan.scheduled]))
         return [o for o in outputs if o is not None]
 
     def _output(self, request: Request, sampled: bool) -> RequestOutput | None:

@@ -8,6 +8,7 @@ once and picks one token for every request whose prompt is fully in the cache.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
 
@@ -25,11 +26,13 @@ class ModelExecutor:
         self.kv_cache = KVCache(model.config, num_blocks, block_size, self.dtype, self.device)
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        self.last_prepare_time = 0.0
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the sampled token of each request that emits one."""
         if plan.is_empty:
             return {}
+        started = time.perf_counter()
         # Single-token requests first: the model attends over them in one batched call.
         items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
         ids, positions, slots, sample_rows, sample_items = [], [], [], [], []
@@ -47,8 +50,11 @@ class ModelExecutor:
 
         meta = self._metadata(items, slots)
         dev = self.device
-        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                            meta, self.kv_cache, torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        inputs = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                  torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        # Host-side packing time: bookkeeping, not model work.
+        self.last_prepare_time = time.perf_counter() - started
+        logits = self.model(inputs[0], inputs[1], meta, self.kv_cache, inputs[2])
         return self._sample(logits, sample_items)
 
     def _metadata(self, items: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:

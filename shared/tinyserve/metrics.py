@@ -57,14 +57,18 @@ class StepStats:
     """One engine step: what ran, how long it took, what was left waiting."""
     start: float
     duration: float
-    schedule_time: float        # scheduler + bookkeeping, outside the model
+    schedule_time: float        # scheduler + engine bookkeeping, outside the model
+    prepare_time: float         # packing the batch into tensors for the model
     num_running: int
     num_waiting: int
     num_scheduled_tokens: int
     num_prefill_tokens: int
     num_decode_tokens: int
     num_preempted: int
+    num_used_blocks: int
     kv_usage: float
+    # (request_id, num_new_tokens) of every request in the batch, in plan order.
+    batch: list[tuple[str, int]] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float:
