@@ -10,4 +10,271 @@ import matplotlib.pyplot as plt
 
 # ---- notebook 01: batching, scheduling, queues ------------------------------------
 
+import numpy as np  # noqa: E402  (kept inside this section)
+
+
+def _nb01_ax(ax, figsize=(5, 3.5)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize, dpi=90)
+    return ax
+
+
+def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None,
+                            title="Decode step time vs batch size"):
+    """Measured decode-step time (points) and predictions (lines), log batch axis.
+
+    ``predicted_ms`` maps a label (e.g. "max(read, compute)") to one value per batch size.
+    """
+    ax = _nb01_ax(ax)
+    for (label, values), style in zip((predicted_ms or {}).items(), ("--", ":", "-.", "-")):
+        ax.plot(batch_sizes, values, style, lw=1.8, label=f"predicted: {label}")
+    ax.plot(batch_sizes, measured_ms, "o-", color="black", lw=1.2, label="measured")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("batch size B (requests per step)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_per_request_time(batch_sizes, measured_ms, predicted_ms=None, ax=None,
+                          title="Cost per request per token"):
+    """Step time / B against B on log-log axes, with a 1/B guide through the first point."""
+    ax = _nb01_ax(ax)
+    b = np.asarray(batch_sizes, dtype=float)
+    per = np.asarray(measured_ms, dtype=float) / b
+    ax.plot(b, per[0] / b, color="0.7", lw=4, alpha=0.6, label="1/B (perfect sharing)")
+    for (label, values), style in zip((predicted_ms or {}).items(), ("--", ":", "-.", "-")):
+        ax.plot(b, np.asarray(values, dtype=float) / b, style, lw=1.8, label=f"predicted: {label}")
+    ax.plot(b, per, "o-", color="black", lw=1.2, label="measured")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batch_sizes, [str(x) for x in batch_sizes])
+    ax.set_xlabel("batch size B (requests per step)")
+    ax.set_ylabel("step time / B (ms per request)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_tradeoff_bars(configs, measured, predicted=None, axes=None, xlabel="max_num_seqs"):
+    """One panel per metric: measured bars, predicted values as black diamonds.
+
+    ``measured`` and ``predicted`` map a metric label (with its unit) to one value per config.
+    """
+    metrics = list(measured)
+    if axes is None:
+        _, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2), dpi=90)
+    axes = np.atleast_1d(axes)
+    x = np.arange(len(configs))
+    for ax, metric, color in zip(axes, metrics, ("tab:blue", "tab:orange", "tab:red", "tab:green")):
+        ax.bar(x, measured[metric], width=0.6, color=color, alpha=0.75, label="measured")
+        if predicted and metric in predicted:
+            ax.plot(x, predicted[metric], "D", color="black", ms=6, label="predicted")
+        ax.set_xticks(x, [str(c) for c in configs])
+        ax.set_xlabel(xlabel)
+        ax.set_title(metric, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def plot_request_timeline(spans, ax=None, title="Who is in the batch, and when"):
+    """One row per request: queued (light bar) then in the batch (solid bar).
+
+    ``spans`` is a list of ``(arrival, first_scheduled, finished, kind)`` in seconds,
+    ``kind`` a short label ("long", "short") that picks the colour.
+    """
+    ax = _nb01_ax(ax, figsize=(5, 3.5))
+    colors = {}
+    palette = ("tab:red", "tab:blue", "tab:green", "tab:purple")
+    for row, (arrival, start, end, kind) in enumerate(spans):
+        color = colors.setdefault(kind, palette[len(colors) % len(palette)])
+        ax.barh(row, start - arrival, left=arrival, color=color, alpha=0.2, height=0.8)
+        ax.barh(row, end - start, left=start, color=color, height=0.8,
+                label=kind if row == [s[3] for s in spans].index(kind) else None)
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the first arrival (s)")
+    ax.set_ylabel("request (queue order)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, title="solid: in batch\npale: queued", title_fontsize=7, loc="center right")
+    return ax
+
+
+def plot_queue_length(traces, predicted=None, ax=None, title="Queue length over time"):
+    """Queue length (waiting requests) against time, one line per arrival rate.
+
+    ``traces`` maps a label to ``(times_s, queue_lengths)``; ``predicted`` maps a
+    label to ``(times_s, values)`` drawn dashed in the same colour.
+    """
+    ax = _nb01_ax(ax)
+    for i, (label, (t, q)) in enumerate(traces.items()):
+        color = f"C{i}"
+        ax.step(t, q, where="post", color=color, lw=1.3, label=f"measured {label}")
+        if predicted and label in predicted:
+            pt, pq = predicted[label]
+            ax.plot(pt, pq, "--", color=color, lw=2, alpha=0.8, label=f"predicted {label}")
+    ax.set_xlabel("time since the trace started (s)")
+    ax.set_ylabel("requests waiting")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_ttft_vs_arrival(series, ax=None, title="TTFT by arrival time"):
+    """Each request's TTFT against when it arrived, one colour per arrival rate.
+
+    ``series`` maps a label to ``(arrival_offsets_s, ttfts_s)``.
+    """
+    ax = _nb01_ax(ax)
+    for i, (label, (t, ttft)) in enumerate(series.items()):
+        ax.plot(t, np.asarray(ttft) * 1e3, ".", color=f"C{i}", ms=3, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, markerscale=3)
+    return ax
+
+
 # ---- notebook 03: continuous batching ------------------------------------------------
+
+def _batch_ids(step):
+    """Request ids of one step, given as ids or as (id, num_new_tokens) pairs."""
+    return [item[0] if isinstance(item, (tuple, list)) else item for item in step]
+
+
+def assign_seats(step_batches):
+    """Seat of every request: the lowest seat free at its first step, kept to its last.
+
+    ``step_batches`` is one list per step of the request ids in that step's
+    batch (or ``(id, num_new_tokens)`` pairs, as in ``StepStats.batch``).
+    Returns ``({id: seat}, {id: (first_step, last_step)})``.
+    """
+    spans = {}
+    for step, batch in enumerate(step_batches):
+        for rid in _batch_ids(batch):
+            first, _ = spans.get(rid, (step, step))
+            spans[rid] = (first, step)
+    seats, busy_until = {}, []          # busy_until[seat] = last step of its occupant
+    for rid, (first, last) in spans.items():    # in order of first appearance
+        free = [s for s, until in enumerate(busy_until) if until < first]
+        seat = free[0] if free else len(busy_until)
+        if seat == len(busy_until):
+            busy_until.append(last)
+        else:
+            busy_until[seat] = last
+        seats[rid] = seat
+    return seats, spans
+
+
+def gantt(step_batches, ax=None, num_seats=None, title=None, label_min_steps=4):
+    """Seats x steps: each request is a coloured bar in the seat it holds, empty seats grey.
+
+    A request occupies its seat from its first to its last scheduled step (a
+    static batch keeps finished members' seats empty until the batch ends).
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.4), dpi=90)
+    seats, spans = assign_seats(step_batches)
+    used = max(seats.values(), default=-1) + 1
+    num_seats = max(num_seats or 0, used)
+    num_steps = len(step_batches)
+    # Empty seat-steps: the grey background shows through wherever no request sits.
+    ax.barh(range(num_seats), [num_steps] * num_seats, left=0, height=0.9,
+            color="#e6e6e6", edgecolor="none")
+    cmap = plt.get_cmap("tab20")
+    for index, (rid, seat) in enumerate(seats.items()):
+        first, last = spans[rid]
+        width = last - first + 1
+        ax.barh(seat, width, left=first, height=0.9, color=cmap(index % 20),
+                edgecolor="white", linewidth=0.5)
+        if width >= label_min_steps:
+            ax.text(first + width / 2, seat, str(rid), ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, num_steps)
+    ax.set_ylim(num_seats - 0.5, -0.5)
+    ax.set_yticks(range(num_seats))
+    ax.set_ylabel("seat")
+    ax.set_xlabel("step")
+    busy = sum(len(_batch_ids(b)) for b in step_batches)
+    util = busy / (num_seats * num_steps) if num_steps else 0.0
+    ax.set_title(f"{title + ': ' if title else ''}{num_steps} steps, "
+                 f"seats busy {util:.0%} of the time", fontsize=10)
+    return ax
+
+
+def kv_blocks_timeline(series, exits=None, capacity=None, ax=None):
+    """KV blocks held at each step, one line per batcher; markers where requests exit.
+
+    ``series``: {label: [blocks held during step s]}; ``exits``: {label: [(step,
+    blocks held after that step's exits)]}, drawn as downward triangles where
+    the freed blocks went back to the pool.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3), dpi=90)
+    colors = {}
+    for label, held in series.items():
+        (line,) = ax.step(range(len(held)), held, where="post", label=label, linewidth=1.3)
+        colors[label] = line.get_color()
+    for label, points in (exits or {}).items():
+        if points:
+            xs, ys = zip(*points)
+            ax.scatter([x + 1 for x in xs], ys, marker="v", s=14, color=colors.get(label),
+                       zorder=3, label=f"{label}: request exits, blocks freed")
+    if capacity is not None:
+        ax.axhline(capacity, color="black", linestyle=":", linewidth=1, label="num_kv_blocks")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KV blocks in use")
+    top = max([capacity or 0] + [max(held, default=0) for held in series.values()])
+    ax.set_ylim(0, top * 1.45 + 1)          # headroom for the legend above the curves
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    return ax
+
+
+def predicted_vs_measured(labels, predicted, measured, ax=None, ylabel="", title=None,
+                          fmt="{:.0f}"):
+    """Side-by-side bars: a prediction and the measurement, for each label."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3), dpi=90)
+    xs = range(len(labels))
+    width = 0.38
+    for offset, values, name, color in [(-width / 2, predicted, "predicted", "#9ecae1"),
+                                        (width / 2, measured, "measured", "#3182bd")]:
+        bars = ax.bar([x + offset for x in xs], values, width, label=name, color=color)
+        for bar, v in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), fmt.format(v),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.15)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return ax
+
+
+def step_cost_fit(points, model, ax=None, xlabel="tokens in the step"):
+    """Measured step times, with the lines of a fitted step-cost model.
+
+    ``points``: {label: (x values, measured ms)}; ``model``: {label: (x values, model ms)}.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3), dpi=90)
+    for label, (x, y) in points.items():
+        (dots,) = ax.plot(x, y, "o", markersize=4, label=f"{label} (measured)")
+        if label in model:
+            mx, my = model[label]
+            ax.plot(mx, my, "-", color=dots.get_color(), linewidth=1, label=f"{label} (model)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    return ax

@@ -27,8 +27,8 @@ CHECK_TAG = "check"
 SOLUTION_ONLY_TAG = "solution-only"
 
 # A call of a check function, e.g. `check_step(fn)` or `labs.check_step(fn)`;
-# `def check_x(` is a definition, not a call.
-CHECK_CALL = re.compile(r"(?<!def )\b(check_\w+)\s*\(")
+# `def check_x(` is a definition and `request.check_stop(` a method, not checks.
+CHECK_CALL = re.compile(r"(?:(?<![\w.])|(?<=labs\.))(?<!def )(check_\w+)\s*\(")
 
 
 def is_marker(line, marker):

@@ -1,0 +1,717 @@
+"""Checks that the lab notebooks call (``from tinyserve.labs import check_...``).
+
+Each check runs the student's function(s) on seeded workloads next to the
+engine's real ``Scheduler`` and compares them step by step. On the first
+difference it raises ``AssertionError`` with a hint in Chinese and English that
+names the step, the request, what was expected and what the function did.
+
+Lab 01 (continuous batching) asks for two functions:
+
+* ``retire(running, block_manager, config) -> list[Request]``: take finished
+  requests out of ``running`` (the others keep their order), free their KV
+  blocks, return them.
+* ``continuous_step(running, waiting, block_manager, config) -> [(Request, n)]``:
+  plan one step: running requests first, in order, each ``min(tokens left,
+  budget left)`` tokens; then admit from the head of ``waiting`` while there is
+  a seat, budget and the blocks for its first chunk; stop at the first request
+  that does not fit. Allocate the blocks of everything planned.
+
+That is ``Scheduler.schedule`` in continuous mode with chunked prefill, minus
+preemption: every workload here is chosen so that the engine never preempts.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from tinyserve.kv_cache import BlockManager, blocks_for
+from tinyserve.request import Request, SamplingParams
+from tinyserve.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+
+__all__ = ["check_retire", "check_continuous_step", "check_end_to_end"]
+
+EOS = 2046          # the shipped tokenizer's <|eos|>
+
+
+# ---- workloads ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spec:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival_step: int = 0
+    ignore_eos: bool = True
+    eos_at: int | None = None     # output index at which the fake model says EOS
+
+    def new_request(self) -> Request:
+        params = SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+        return Request(self.request_id, list(self.prompt), params,
+                       arrival_time=float(self.arrival_step), eos_token_id=EOS)
+
+
+@dataclass
+class Workload:
+    name: str
+    config: SchedulerConfig
+    num_blocks: int
+    specs: list[Spec]
+    # Filled by simulating the engine: which limit stopped admission, per step.
+    binding: set[str] = field(default_factory=set)
+    num_steps: int = 0
+
+
+def fake_token(spec: Spec, index: int) -> int:
+    """The 'model' of the step-by-step checks: a fixed token per (request, position)."""
+    if spec.eos_at is not None and index == spec.eos_at:
+        return EOS
+    return 10 + (int(spec.request_id) * 7919 + index * 104729) % 2000
+
+
+PROFILES = {
+    # name: (seats, budget range, block_size, blocks range or None, prompt range, max_tokens range)
+    "seats": ((2, 3), (256, 256), 16, None, (3, 20), (1, 24)),
+    "budget": ((6, 6), (8, 20), 8, None, (5, 40), (1, 12)),
+    "blocks": ((6, 6), (64, 64), 4, (10, 16), (3, 14), (1, 10)),
+    "mixed": ((4, 4), (16, 28), 4, (16, 26), (3, 24), (1, 16)),
+}
+
+
+def _random_workload(profile: str, seed: int, num_requests: int = 14) -> Workload:
+    seats, budget, block_size, blocks, prompt, out = PROFILES[profile]
+    rng = random.Random(f"{profile}-{seed}")
+    specs = []
+    for i in range(num_requests):
+        max_tokens = rng.randint(*out)
+        stop = rng.random() < 0.3 and max_tokens > 2
+        specs.append(Spec(str(i), tuple(rng.randrange(10, 2000) for _ in range(rng.randint(*prompt))),
+                          max_tokens, arrival_step=rng.randint(0, 8) if i else 0,
+                          ignore_eos=not stop, eos_at=rng.randrange(1, max_tokens - 1) if stop else None))
+    specs.sort(key=lambda s: s.arrival_step)       # the queue is in arrival order
+    longest = max(len(s.prompt) + s.max_tokens for s in specs)
+    num_blocks = rng.randint(*blocks) if blocks else 256
+    num_blocks = max(num_blocks, blocks_for(longest, block_size))
+    config = SchedulerConfig(max_num_seqs=rng.randint(*seats), max_num_batched_tokens=rng.randint(*budget),
+                             block_size=block_size, batching="continuous", enable_chunked_prefill=True)
+    return Workload(f"{profile}-{seed}", config, num_blocks, specs)
+
+
+@functools.lru_cache(maxsize=None)
+def workloads(per_profile: int = 3) -> tuple[Workload, ...]:
+    """Seeded workloads, each free of preemption and each stopped by its profile's limit."""
+    chosen = []
+    for profile in PROFILES:
+        seed, found = 0, 0
+        while found < per_profile:
+            w = _random_workload(profile, seed)
+            seed += 1
+            trace = engine_trace(w)
+            if trace.num_preemptions or (profile != "mixed" and profile not in w.binding):
+                continue
+            chosen.append(w)
+            found += 1
+    return tuple(chosen)
+
+
+# ---- the engine's side --------------------------------------------------------------
+
+@dataclass
+class StepRecord:
+    plan: list[tuple[str, int]]
+    running: list[str]          # after planning
+    waiting: list[str]
+    free_blocks: int            # after planning
+    finished: list[str]         # retired by the engine at the end of the step
+
+
+@dataclass
+class Trace:
+    steps: list[StepRecord]
+    outputs: dict[str, list[int]]
+    num_preemptions: int
+
+
+def engine_trace(w: Workload) -> Trace:
+    """Run the engine's Scheduler on a workload with the fake model; record every step."""
+    sched = Scheduler(w.config, BlockManager(w.num_blocks, w.config.block_size))
+    specs = {s.request_id: s for s in w.specs}
+    requests = {rid: s.new_request() for rid, s in specs.items()}
+    pending = deque(w.specs)
+    steps = []
+    while pending or sched.has_unfinished_requests():
+        step = len(steps)
+        while pending and pending[0].arrival_step <= step:
+            sched.add_request(requests[pending.popleft().request_id])
+        plan = sched.schedule(float(step))
+        if sched.waiting:
+            left = w.config.max_num_batched_tokens - plan.num_scheduled_tokens
+            w.binding.add("seats" if len(sched.running) >= w.config.max_num_seqs
+                          else "budget" if left == 0 else "blocks")
+        record = StepRecord([(s.request.request_id, s.num_new_tokens) for s in plan.scheduled],
+                            [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
+                            sched.block_manager.num_free_blocks, [])
+        sampled = {s.request.request_id: fake_token(specs[s.request.request_id],
+                                                    len(s.request.output_token_ids))
+                   for s in plan.scheduled if s.samples}
+        record.finished = [r.request_id for r in sched.update(plan, sampled, float(step))]
+        steps.append(record)
+        if len(steps) > 10_000:
+            raise RuntimeError(f"engine did not finish workload {w.name}")
+    w.num_steps = len(steps)
+    return Trace(steps, {rid: r.output_token_ids for rid, r in requests.items()}, sched.num_preemptions)
+
+
+# ---- reference pieces (used to isolate the function under test) ---------------------
+
+def is_finished(request: Request, config: SchedulerConfig) -> bool:
+    return bool(request.output_token_ids) and request.check_stop(config.max_model_len) is not None
+
+
+def reference_retire(running, block_manager, config):
+    finished = [r for r in running if is_finished(r, config)]
+    for r in finished:
+        running.remove(r)
+        block_manager.free(r.request_id)
+    return finished
+
+
+def reference_step(running, waiting, block_manager, config):
+    plan, budget = [], config.max_num_batched_tokens
+    for r in running:
+        if budget == 0:
+            break
+        n = min(r.num_tokens - r.num_computed_tokens, budget)
+        block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+        plan.append((r, n))
+        budget -= n
+    while waiting and len(running) < config.max_num_seqs and budget > 0:
+        r = waiting[0]
+        n = min(r.num_tokens - r.num_computed_tokens, budget)
+        if not block_manager.can_allocate(r.request_id, r.num_computed_tokens + n):
+            break
+        running.append(waiting.popleft())
+        block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+        plan.append((r, n))
+        budget -= n
+    return plan
+
+
+# ---- hints --------------------------------------------------------------------------
+
+def fail(step: int | None, zh: str, en: str):
+    where_zh = f"第 {step} 步：" if step is not None else ""
+    where_en = f"step {step}: " if step is not None else ""
+    raise AssertionError(f"{where_zh}{zh}\n/ {where_en}{en}")
+
+
+def _why_finished(request: Request) -> str:
+    if request.output_token_ids and request.output_token_ids[-1] == request.eos_token_id \
+            and not request.sampling_params.ignore_eos:
+        return "生成了结束符 EOS / it emitted EOS"
+    return (f"已生成 max_tokens={request.sampling_params.max_tokens} 个 token "
+            f"/ it reached max_tokens={request.sampling_params.max_tokens}")
+
+
+def _call(fn, name, step, *args):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except AssertionError:
+        raise
+    except RuntimeError as e:
+        if "out of KV blocks" in str(e):
+            fail(step, f"{name} 分配块时块不够用了（{e}）。接纳请求之前先用 "
+                       "block_manager.can_allocate(request_id, num_tokens) 检查空闲块，放不下就停止接纳",
+                 f"{name} ran out of KV blocks while allocating ({e}). Before admitting a request, "
+                 "check block_manager.can_allocate(request_id, num_tokens); stop admitting when it is False")
+        raise AssertionError(f"第 {step} 步：{name} 抛出了 {type(e).__name__}: {e}\n"
+                             f"/ step {step}: {name} raised {type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise AssertionError(f"第 {step} 步：{name} 抛出了 {type(e).__name__}: {e}\n"
+                             f"/ step {step}: {name} raised {type(e).__name__}: {e}") from e
+
+
+# ---- the student's side, step by step -----------------------------------------------
+
+@dataclass
+class Snapshot:
+    """State before planning a step, to explain a wrong plan."""
+    running: list[str]
+    waiting: list[str]
+    free_blocks: int
+    tables: dict[str, int]          # blocks held per request
+    left: dict[str, int]            # tokens not yet computed per request
+    computed: dict[str, int]        # tokens already in the cache per request
+
+
+def _snapshot(running, waiting, bm) -> Snapshot:
+    reqs = list(running) + list(waiting)
+    return Snapshot([r.request_id for r in running], [r.request_id for r in waiting], bm.num_free_blocks,
+                    {r.request_id: len(bm.block_table(r.request_id)) for r in reqs},
+                    {r.request_id: r.num_tokens - r.num_computed_tokens for r in reqs},
+                    {r.request_id: r.num_computed_tokens for r in reqs})
+
+
+def _validate_plan(plan, running, bm, config, step, before: Snapshot, requests):
+    if not isinstance(plan, (list, tuple)):
+        fail(step, f"continuous_step 应返回 [(request, num_new_tokens), ...] 列表，而它返回了 {type(plan).__name__}",
+             f"continuous_step must return a list of (request, num_new_tokens), got {type(plan).__name__}")
+    seen = set()
+    for item in plan:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Request)
+                and isinstance(item[1], int) and not isinstance(item[1], bool)):
+            fail(step, f"计划里的每一项应是 (Request, int)，而你返回了 {item!r}",
+                 f"each plan entry must be a (Request, int) pair, got {item!r}")
+        r, n = item
+        rid = r.request_id
+        if rid in seen:
+            fail(step, f"请求 {rid} 在计划里出现了两次", f"request {rid} appears twice in the plan")
+        seen.add(rid)
+        if rid not in requests or requests[rid] is not r:
+            fail(step, f"计划里的请求 {rid} 不是这次负载里的请求对象", f"request {rid} in the plan is not one of this workload's requests")
+        if rid not in before.left:
+            fail(step, f"请求 {rid} 这一步之前既不在 running 也不在 waiting 中（已经完成，或还没到达），不能进入计划",
+                 f"request {rid} was neither running nor waiting before this step (finished, or not arrived yet): "
+                 "it cannot be planned")
+        if n < 1:
+            fail(step, f"请求 {rid} 被安排了 {n} 个 token：进入计划的请求至少要算 1 个 token，没事可做就不要放进计划",
+                 f"request {rid} is planned for {n} tokens: a planned request computes at least 1 token; leave it out otherwise")
+        if n > before.left[rid]:
+            fail(step, f"请求 {rid} 只剩 {before.left[rid]} 个 token 没算，你却安排了 {n} 个",
+                 f"request {rid} has only {before.left[rid]} tokens left to compute, you planned {n}")
+        if r not in running:
+            fail(step, f"请求 {rid} 在计划里，但不在 running 中：接纳的请求要 append 到 running（并从 waiting 里取出）",
+                 f"request {rid} is planned but not in running: append admitted requests to running (and take them out of waiting)")
+    for rid, computed in before.computed.items():
+        if requests[rid].num_computed_tokens != computed:
+            fail(step, f"请求 {rid} 的 num_computed_tokens 被改了（{computed} → {requests[rid].num_computed_tokens}）："
+                       "调度器只做计划和分配块，这个计数由执行完这一步之后的代码更新",
+                 f"request {rid}'s num_computed_tokens changed ({computed} -> {requests[rid].num_computed_tokens}): "
+                 "the scheduler only plans and allocates; the count is updated after the step runs")
+    if len(running) > config.max_num_seqs:
+        fail(step, f"running 里有 {len(running)} 个请求，超过了座位数 max_num_seqs={config.max_num_seqs}：座位满了就不能再接纳",
+             f"running holds {len(running)} requests, more than max_num_seqs={config.max_num_seqs}: "
+             "do not admit when every seat is taken")
+    total = sum(n for _, n in plan)
+    if total > config.max_num_batched_tokens:
+        fail(step, f"这一步共安排了 {total} 个 token，超过了 token 预算 max_num_batched_tokens="
+                   f"{config.max_num_batched_tokens}：每个请求最多拿 min(剩余 token, 剩余预算)，预算用完就停",
+             f"the step plans {total} tokens, more than the token budget max_num_batched_tokens="
+             f"{config.max_num_batched_tokens}: give each request min(tokens left, budget left) and stop at 0")
+    for r, n in plan:
+        need = blocks_for(r.num_computed_tokens + n, config.block_size)
+        have = len(bm.block_table(r.request_id))
+        if have < need:
+            fail(step, f"请求 {r.request_id} 这一步要写到第 {r.num_computed_tokens + n} 个 token，需要 {need} 个块，"
+                       f"却只有 {have} 个：调用 block_manager.allocate(request_id, num_computed_tokens + n)",
+                 f"request {r.request_id} computes up to token {r.num_computed_tokens + n} and needs {need} blocks "
+                 f"but holds {have}: call block_manager.allocate(request_id, num_computed_tokens + n)")
+
+
+def _explain_plan(got, want, before: Snapshot, config, step):
+    """Raise with the reason for the first difference between two plans of (id, n)."""
+    budget = config.max_num_batched_tokens
+    seats = len(before.running)
+    free = before.free_blocks
+    for i in range(max(len(got), len(want))):
+        g = got[i] if i < len(got) else None
+        e = want[i] if i < len(want) else None
+        if g == e:
+            rid, n = e
+            if rid not in before.running:
+                seats += 1
+            free -= blocks_for(before.computed[rid] + n, config.block_size) - before.tables[rid]
+            budget -= n
+            continue
+        if e is not None and e[0] in before.running:
+            rid, n = e
+            if g is not None and g[0] == rid:
+                fail(step, f"正在运行的请求 {rid} 还剩 {before.left[rid]} 个 token、预算还剩 {budget}，"
+                           f"应安排 min({before.left[rid]}, {budget}) = {n} 个 token，你安排了 {g[1]} 个",
+                     f"running request {rid} has {before.left[rid]} tokens left and {budget} budget is left: "
+                     f"plan min({before.left[rid]}, {budget}) = {n} tokens, you planned {g[1]}")
+            fail(step, f"正在运行的请求 {rid} 应排在计划的第 {i + 1} 位（预算还剩 {budget}）。规则：先按 running 的顺序"
+                       f"给在跑的请求排 token，再接纳新请求；你的计划是 {got}，应为 {want}",
+                 f"running request {rid} should be entry {i + 1} of the plan ({budget} budget left). Rule: running "
+                 f"requests first, in running order, then admissions; your plan is {got}, expected {want}")
+        if e is None:        # the student admitted one more than the engine
+            rid = g[0]
+            admitted = len([x for x in want if x[0] not in before.running])
+            head = before.waiting[admitted] if admitted < len(before.waiting) else None
+            if seats >= config.max_num_seqs:
+                fail(step, f"接纳了请求 {rid}，但座位已满（{seats}/{config.max_num_seqs}，max_num_seqs）",
+                     f"admitted request {rid} but every seat was taken ({seats}/{config.max_num_seqs}, max_num_seqs)")
+            if budget <= 0:
+                fail(step, f"接纳了请求 {rid}，但这一步的 token 预算（max_num_batched_tokens={config.max_num_batched_tokens}）已经用完",
+                     f"admitted request {rid} but the step's token budget (max_num_batched_tokens="
+                     f"{config.max_num_batched_tokens}) was used up")
+            if head is not None and rid != head:
+                fail(step, f"接纳了请求 {rid}，但队头是请求 {head}，而它放不下。先来先服务：队头放不下就停止接纳，不要跳过它",
+                     f"admitted request {rid} while the head of the queue, request {head}, did not fit. First come, "
+                     f"first served: stop admitting at the first request that does not fit; never skip it")
+            n_head = min(before.left[rid], budget)
+            need = blocks_for(before.computed[rid] + n_head, config.block_size) - before.tables[rid]
+            fail(step, f"接纳了请求 {rid}，但它的前 {n_head} 个 token 需要 {need} 个新块，只剩 {free} 个空闲块："
+                       "接纳前用 block_manager.can_allocate 检查，放不下就停止接纳",
+                 f"admitted request {rid}, but its first {n_head} tokens need {need} new blocks and only {free} are "
+                 "free: check block_manager.can_allocate before admitting and stop when it is False")
+        if g is None or (g[0] != e[0] and e[0] not in before.running):
+            rid, n = e
+            if g is not None and g[0] not in before.running and g[0] in before.waiting:
+                fail(step, f"应接纳队头的请求 {rid}，你接纳了请求 {g[0]}：按 waiting 的顺序（先来先服务）从队头取",
+                     f"the head of the queue, request {rid}, should be admitted, you admitted request {g[0]}: "
+                     "take requests from the head of waiting (first come, first served)")
+            fail(step, f"请求 {rid} 本该被接纳：还有空座位（{seats}/{config.max_num_seqs}）、预算 {budget} 个 token、"
+                       f"{free} 个空闲块，足够它的前 {n} 个 token。只要三者都够，就继续从队头接纳",
+                 f"request {rid} should have been admitted: a seat was free ({seats}/{config.max_num_seqs}), "
+                 f"{budget} budget tokens and {free} free blocks were left, enough for its first {n} tokens. "
+                 "Keep admitting from the head of waiting while all three allow")
+        rid, n = e
+        fail(step, f"新接纳的请求 {rid} 还剩 {before.left[rid]} 个 token、预算还剩 {budget}，应安排 min(...) = {n} 个，"
+                   f"你安排了 {g[1]} 个（预算不够时只预填充一部分：分块预填充）",
+             f"newly admitted request {rid} has {before.left[rid]} tokens left and {budget} budget left: plan "
+             f"min(...) = {n} tokens, you planned {g[1]} (when the budget is short, prefill only a chunk)")
+    fail(step, f"计划应为 {want}，你的是 {got}", f"expected plan {want}, got {got}")
+
+
+def _apply(plan, step, specs, sample=None):
+    """Advance the planned requests as the model would; return (request, token) emitted."""
+    emitted = []
+    for r, n in plan:
+        remaining = r.num_tokens - r.num_computed_tokens
+        r.num_computed_tokens += n
+        if n == remaining:
+            token = sample[r.request_id] if sample else fake_token(specs[r.request_id], len(r.output_token_ids))
+            r.output_token_ids.append(token)
+            emitted.append((r, token))
+    return emitted
+
+
+def drive(w: Workload, retire, step_fn, trace: Trace, who: str = "continuous_step"):
+    """Run the student's functions on a workload, comparing each step with the engine's trace."""
+    cfg = w.config
+    bm = BlockManager(w.num_blocks, cfg.block_size)
+    specs = {s.request_id: s for s in w.specs}
+    requests = {rid: s.new_request() for rid, s in specs.items()}
+    pending = deque(w.specs)
+    running: list[Request] = []
+    waiting: deque[Request] = deque()
+    prev_finished: list[str] = []
+    step = 0
+    while True:
+        while pending and pending[0].arrival_step <= step:
+            waiting.append(requests[pending.popleft().request_id])
+        _check_retire_step(retire, running, bm, cfg, step, prev_finished)
+        if not (pending or running or waiting):
+            break
+        if step >= len(trace.steps):
+            left = [r.request_id for r in running] + [r.request_id for r in waiting]
+            fail(step, f"引擎在 {len(trace.steps)} 步内已经做完，你的调度器还剩请求 {left} 没完成"
+                       "（完成的请求有没有退出？等待的请求有没有被接纳？）",
+                 f"the engine finished in {len(trace.steps)} steps, yours still has requests {left} "
+                 "(are finished requests retired? are waiting ones admitted?)")
+        before = _snapshot(running, waiting, bm)
+        plan = _call(step_fn, who, step, running, waiting, bm, cfg)
+        _validate_plan(plan, running, bm, cfg, step, before, requests)
+        record = trace.steps[step]
+        got = [(r.request_id, n) for r, n in plan]
+        if got != record.plan:
+            _explain_plan(got, record.plan, before, cfg, step)
+        if [r.request_id for r in running] != record.running:
+            fail(step, f"计划正确，但 running 变成了 {[r.request_id for r in running]}，应为 {record.running}："
+                       "新接纳的请求 append 到 running 末尾，并从 waiting 队头 popleft",
+                 f"the plan is right but running is {[r.request_id for r in running]}, expected {record.running}: "
+                 "append admitted requests to the end of running and popleft them from waiting")
+        if [r.request_id for r in waiting] != record.waiting:
+            fail(step, f"计划正确，但 waiting 变成了 {[r.request_id for r in waiting]}，应为 {record.waiting}",
+                 f"the plan is right but waiting is {[r.request_id for r in waiting]}, expected {record.waiting}")
+        if bm.num_free_blocks != record.free_blocks:
+            fail(step, f"计划正确，但空闲块有 {bm.num_free_blocks} 个，应为 {record.free_blocks} 个："
+                       "只为计划里的 token 分配块（allocate 到 num_computed_tokens + n），不要多分",
+                 f"the plan is right but {bm.num_free_blocks} blocks are free, expected {record.free_blocks}: "
+                 "allocate blocks for the planned tokens only (up to num_computed_tokens + n)")
+        _apply(plan, step, specs)
+        prev_finished = record.finished
+        step += 1
+    # The engine retired the last requests at the end of its last step.
+    if step != len(trace.steps):
+        fail(step, f"你的调度器在 {step} 步后停下，引擎用了 {len(trace.steps)} 步",
+             f"your scheduler stopped after {step} steps, the engine took {len(trace.steps)}")
+    outputs = {rid: r.output_token_ids for rid, r in requests.items()}
+    if outputs != trace.outputs:
+        fail(None, "输出的 token 与引擎不同", "output tokens differ from the engine's")
+    bm.check_integrity()
+    if bm.num_free_blocks != w.num_blocks:
+        fail(None, f"全部请求完成后还有 {w.num_blocks - bm.num_free_blocks} 个块没有归还",
+             f"{w.num_blocks - bm.num_free_blocks} blocks are still held after every request finished")
+    return step
+
+
+def _check_retire_step(retire, running, bm, cfg, step, expected_ids):
+    before = list(running)
+    held = {r.request_id: len(bm.block_table(r.request_id)) for r in before}
+    free_before = bm.num_free_blocks
+    out = _call(retire, "retire", step, running, bm, cfg)
+    _check_retire_result(out, before, running, bm, cfg, step, held, free_before, expected_ids)
+
+
+def _check_retire_result(out, before, running, bm, cfg, step, held, free_before, expected_ids=None):
+    if not isinstance(out, (list, tuple)):
+        fail(step, f"retire 应返回刚退出的请求列表，而它返回了 {type(out).__name__}",
+             f"retire must return the list of requests it retired, got {type(out).__name__}")
+    finished = [r for r in before if is_finished(r, cfg)]
+    if expected_ids is not None:
+        assert [r.request_id for r in finished] == list(expected_ids), "internal: harness out of sync with the engine"
+    for r in finished:
+        if r in running:
+            fail(step, f"请求 {r.request_id} 已生成完毕（{_why_finished(r)}）但仍在 running 中——完成的请求要在这一步就退出并释放块（原地从列表中移除：running.remove(request)）",
+                 f"request {r.request_id} finished ({_why_finished(r).split(' / ')[1]}) but is still in running — "
+                 "retire finished requests and free their blocks (remove them from the list in place: running.remove(request))")
+        if bm.block_table(r.request_id):
+            fail(step, f"请求 {r.request_id} 已退出，但它的 {held[r.request_id]} 个 KV 块没有归还："
+                       "调用 block_manager.free(request.request_id)",
+                 f"request {r.request_id} was retired but its {held[r.request_id]} KV blocks were not freed: "
+                 "call block_manager.free(request.request_id)")
+    for r in before:
+        if r not in finished and r not in running:
+            done = len(r.output_token_ids)
+            fail(step, f"请求 {r.request_id} 还没完成（已生成 {done}/{r.sampling_params.max_tokens} 个 token）却被移出了 running",
+                 f"request {r.request_id} is not finished ({done}/{r.sampling_params.max_tokens} tokens) "
+                 "but was taken out of running")
+        if r not in finished and len(bm.block_table(r.request_id)) != held[r.request_id]:
+            fail(step, f"请求 {r.request_id} 还在运行，它的块却被释放了：只释放退出请求的块",
+                 f"request {r.request_id} is still running but its blocks were freed: free only retired requests' blocks")
+    if list(running) != [r for r in before if r not in finished]:
+        fail(step, f"留下的请求要保持原来的顺序：应为 {[r.request_id for r in before if r not in finished]}，"
+                   f"实际是 {[r.request_id for r in running]}（调度器按这个顺序分配预算；原地修改 running，不要新建列表）",
+             f"keep the remaining requests in their order: expected {[r.request_id for r in before if r not in finished]}, "
+             f"got {[r.request_id for r in running]} (the budget is handed out in this order; change running in place)")
+    if [getattr(r, "request_id", r) for r in out] != [r.request_id for r in finished]:
+        fail(step, f"retire 应返回刚退出的请求 {[r.request_id for r in finished]}（按它们在 running 中的顺序），"
+                   f"你返回了 {[getattr(r, 'request_id', r) for r in out]}",
+             f"retire must return the requests it retired, {[r.request_id for r in finished]} (in running order), "
+             f"got {[getattr(r, 'request_id', r) for r in out]}")
+    freed = sum(held[r.request_id] for r in finished)
+    if bm.num_free_blocks != free_before + freed:
+        fail(step, f"退出请求共持有 {freed} 个块，空闲块应从 {free_before} 变为 {free_before + freed}，实际是 {bm.num_free_blocks}",
+             f"the retired requests held {freed} blocks: free blocks should go from {free_before} to "
+             f"{free_before + freed}, got {bm.num_free_blocks}")
+    bm.check_integrity()
+
+
+# ---- the checks ---------------------------------------------------------------------
+
+def _unit_retire_cases(retire):
+    """Hand-made situations, each with one kind of finished / unfinished request."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4)
+    bm = BlockManager(32, 4)
+
+    def make(rid, prompt, max_tokens, outputs, computed=None, ignore_eos=True):
+        r = Request(rid, list(range(10, 10 + prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                    0.0, eos_token_id=EOS)
+        r.output_token_ids = list(outputs)
+        r.num_computed_tokens = r.num_tokens - 1 if computed is None else computed
+        bm.allocate(rid, max(r.num_computed_tokens, 1))
+        return r
+
+    running = [
+        make("0", 5, 3, [11, 12, 13]),                    # reached max_tokens
+        make("1", 6, 4, [11, 12]),                        # still decoding
+        make("2", 3, 9, [11, EOS], ignore_eos=False),      # emitted EOS
+        make("3", 9, 5, [], computed=4),                  # still prefilling: no output yet
+        make("4", 4, 6, [EOS, 11], ignore_eos=True),       # EOS is ignored: keeps going
+        make("5", 7, 1, [11]),                            # a one-token request
+    ]
+    cases = [("mixed", running), ("empty", [])]
+    for name, running in cases:
+        before = list(running)
+        held = {r.request_id: len(bm.block_table(r.request_id)) for r in before}
+        free_before = bm.num_free_blocks
+        out = _call(retire, "retire", None, running, bm, cfg)
+        _check_retire_result(out, before, running, bm, cfg, None, held, free_before)
+
+
+def check_retire(retire):
+    """Check ``retire(running, block_manager, config) -> list[Request]``."""
+    _unit_retire_cases(retire)
+    ws = workloads()
+    for w in ws:
+        drive(w, retire, reference_step, engine_trace(w), who="continuous_step (reference)")
+    print(f"✓ retire 通过：手工用例 + {len(ws)} 个随机负载，与引擎逐步一致 "
+          f"/ retire passed hand-made cases and {len(ws)} random workloads")
+
+
+def _unit_step_cases(step_fn):
+    """Small situations where one limit decides, with a targeted hint each."""
+    def run_case(name, config, num_blocks, running_specs, waiting_specs):
+        bm_ref, bm = BlockManager(num_blocks, config.block_size), BlockManager(num_blocks, config.block_size)
+
+        def build(bm_):
+            running, waiting = [], deque()
+            for rid, prompt, computed, outputs in running_specs:
+                r = Request(rid, list(range(10, 10 + prompt)), SamplingParams(max_tokens=50), 0.0, eos_token_id=EOS)
+                r.output_token_ids = list(outputs)
+                r.num_computed_tokens = computed
+                bm_.allocate(rid, computed)
+                running.append(r)
+            for rid, prompt in waiting_specs:
+                waiting.append(Request(rid, list(range(10, 10 + prompt)), SamplingParams(max_tokens=50), 0.0,
+                                       eos_token_id=EOS))
+            return running, waiting
+
+        ref_running, ref_waiting = build(bm_ref)
+        want = [(r.request_id, n) for r, n in reference_step(ref_running, ref_waiting, bm_ref, config)]
+        running, waiting = build(bm)
+        requests = {r.request_id: r for r in list(running) + list(waiting)}
+        before = _snapshot(running, waiting, bm)
+        plan = _call(step_fn, "continuous_step", None, running, waiting, bm, config)
+        _validate_plan(plan, running, bm, config, None, before, requests)
+        got = [(r.request_id, n) for r, n in plan]
+        if got != want:
+            try:
+                _explain_plan(got, want, before, config, None)
+            except AssertionError as e:
+                raise AssertionError(f"[{name}] {e}") from None
+        if [r.request_id for r in running] != [r.request_id for r in ref_running] or \
+                [r.request_id for r in waiting] != [r.request_id for r in ref_waiting]:
+            fail(None, f"[{name}] 计划正确，但 running/waiting 不对：应为 {[r.request_id for r in ref_running]} / "
+                       f"{[r.request_id for r in ref_waiting]}",
+                 f"[{name}] the plan is right but running/waiting are wrong: expected "
+                 f"{[r.request_id for r in ref_running]} / {[r.request_id for r in ref_waiting]}")
+        if bm.num_free_blocks != bm_ref.num_free_blocks:
+            fail(None, f"[{name}] 空闲块 {bm.num_free_blocks} 个，应为 {bm_ref.num_free_blocks} 个",
+                 f"[{name}] {bm.num_free_blocks} free blocks, expected {bm_ref.num_free_blocks}")
+
+    cfg = lambda seats, budget, bs=4: SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=budget, block_size=bs)
+    # Seats: two decoding, room for one more.
+    run_case("seats", cfg(3, 100), 64, [("0", 5, 5, [11]), ("1", 6, 6, [11])], [("2", 4), ("3", 4)])
+    # Budget: the second prompt only gets a chunk, the third nothing.
+    run_case("budget", cfg(8, 16), 64, [], [("0", 10), ("1", 10), ("2", 10)])
+    # Running first: a half-prefilled request continues before anyone is admitted.
+    run_case("running first", cfg(8, 14), 64, [("0", 20, 8, []), ("1", 5, 5, [11])], [("2", 6)])
+    # Blocks: the head needs 3 blocks, 2 are free; the next one would fit but must wait.
+    run_case("blocks (FCFS)", cfg(8, 64), 4, [("0", 7, 7, [11])], [("1", 10), ("2", 3)])
+
+
+def check_continuous_step(continuous_step):
+    """Check ``continuous_step(running, waiting, block_manager, config) -> [(Request, n)]``."""
+    _unit_step_cases(continuous_step)
+    ws = workloads()
+    steps = 0
+    for w in ws:
+        steps += drive(w, reference_retire, continuous_step, engine_trace(w))
+    binding = sorted(set().union(*(w.binding for w in ws)))
+    print(f"✓ continuous_step 通过：手工用例 + {len(ws)} 个随机负载（{steps} 步，座位/预算/块都曾是瓶颈："
+          f"{', '.join(binding)}），与引擎的 Scheduler 逐步一致 "
+          f"/ continuous_step matches the engine's Scheduler on every step")
+
+
+# ---- end to end, with the real model ------------------------------------------------
+
+def end_to_end_workload():
+    """16 requests for the `tiny` model: mostly short, a few long; seats, budget and blocks all bind."""
+    rng = random.Random("lab01-e2e-20")     # seed picked so that all three limits bind, no preemption
+    prompts, params = [], []
+    for i in range(16):
+        prompts.append([rng.randrange(10, 2000) for _ in range(rng.randint(4, 36))])
+        long = i % 5 == 2
+        params.append(SamplingParams(max_tokens=rng.randint(20, 32) if long else rng.randint(2, 8),
+                                     ignore_eos=True))
+    config = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_kv_blocks=12)
+    return prompts, params, config
+
+
+def run_student(model, prompts, params, config, retire, continuous_step, engine_stats=None):
+    """Drive the real model with the student's functions; return (outputs, step batches, blocks held)."""
+    from tinyserve.executor import ModelExecutor
+
+    cfg = SchedulerConfig(max_num_seqs=config["max_num_seqs"],
+                          max_num_batched_tokens=config["max_num_batched_tokens"],
+                          block_size=config["block_size"], max_model_len=model.config.max_position_embeddings)
+    num_blocks = config["num_kv_blocks"]
+    bm = BlockManager(num_blocks, cfg.block_size)
+    executor = ModelExecutor(model, num_blocks, cfg.block_size)
+    requests = [Request(str(i), list(p), sp, 0.0, eos_token_id=EOS) for i, (p, sp) in enumerate(zip(prompts, params))]
+    by_id = {r.request_id: r for r in requests}
+    waiting, running = deque(requests), []
+    batches, held = [], []
+    limit = 20 * len(engine_stats) if engine_stats else 10_000
+    while waiting or running:
+        step = len(batches)
+        if step > limit:
+            fail(step, "运行了太多步还没结束：完成的请求有没有退出？等待的请求有没有被接纳？",
+                 "too many steps without finishing: are finished requests retired? are waiting ones admitted?")
+        before_running = list(running)
+        held_before = {r.request_id: len(bm.block_table(r.request_id)) for r in running}
+        free_before = bm.num_free_blocks
+        out = _call(retire, "retire", step, running, bm, cfg)
+        _check_retire_result(out, before_running, running, bm, cfg, step, held_before, free_before)
+        if not (waiting or running):
+            break
+        before = _snapshot(running, waiting, bm)
+        plan = _call(continuous_step, "continuous_step", step, running, waiting, bm, cfg)
+        _validate_plan(plan, running, bm, cfg, step, before, by_id)
+        if not plan:
+            fail(step, "还有请求没完成，continuous_step 却返回了空计划（死锁）", "requests remain but continuous_step planned nothing (deadlock)")
+        got = [(r.request_id, n) for r, n in plan]
+        if engine_stats is not None:
+            want = [tuple(x) for x in engine_stats[step].batch] if step < len(engine_stats) else []
+            if got != want:
+                fail(step, f"与引擎不同：引擎这一步的批是 {want}，你的是 {got}（先运行前面的 check 找出原因）",
+                     f"differs from the engine: its batch this step is {want}, yours is {got} "
+                     "(run the earlier checks to find out why)")
+        items = [ScheduledRequest(r, n, list(bm.block_table(r.request_id)),
+                                  samples=n == r.num_tokens - r.num_computed_tokens) for r, n in plan]
+        sampled = executor.execute(SchedulerOutput(scheduled=items))
+        held.append(bm.num_used_blocks)
+        _apply(plan, step, None, sample=sampled)
+        batches.append(got)
+    bm.check_integrity()
+    if bm.num_free_blocks != num_blocks:
+        fail(None, f"全部请求完成后还有 {num_blocks - bm.num_free_blocks} 个块没有归还",
+             f"{num_blocks - bm.num_free_blocks} blocks are still held after every request finished")
+    return [r.output_token_ids for r in requests], batches, held
+
+
+def check_end_to_end(retire, continuous_step, plot=True):
+    """Serve a workload on the real `tiny` model with the student's scheduler; compare with LLM.generate."""
+    import torch
+
+    from tinyserve.engine import LLM
+
+    prompts, params, config = end_to_end_workload()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # a tiny model: extra threads only add noise when the CPU is shared
+    try:
+        llm = LLM(model="tiny", seed=0, enable_chunked_prefill=True, batching="continuous", **config)
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.step_stats
+        assert llm.engine.scheduler.num_preemptions == 0, "internal: the end-to-end workload must not preempt"
+        outputs, batches, held = run_student(llm.model, prompts, params, config, retire, continuous_step, stats)
+    finally:
+        torch.set_num_threads(threads)
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        if got != want:
+            fail(None, f"请求 {i} 的输出与 LLM.generate 不同：{got[:8]}… vs {want[:8]}…",
+                 f"request {i}'s output differs from LLM.generate: {got[:8]}… vs {want[:8]}…")
+    if len(batches) != len(stats):
+        fail(None, f"你的调度器用了 {len(batches)} 步，引擎用了 {len(stats)} 步",
+             f"your scheduler took {len(batches)} steps, the engine {len(stats)}")
+    if plot:
+        import matplotlib.pyplot as plt
+
+        from tinyserve import plots
+        fig, axes = plt.subplots(2, 1, figsize=(10, 4), dpi=90, sharex=True)
+        plots.gantt(batches, ax=axes[0], num_seats=config["max_num_seqs"], title="your continuous batching")
+        axes[0].set_xlabel("")
+        plots.kv_blocks_timeline({"your scheduler": held}, capacity=config["num_kv_blocks"], ax=axes[1])
+        axes[1].set_xlim(0, len(batches))
+        fig.tight_layout()
+        plt.show()
+    print(f"✓ 端到端通过：{len(prompts)} 个请求在 tiny 模型上 {len(batches)} 步完成，输出与 LLM.generate 逐 token 相同，"
+          f"块全部归还 / end to end: same tokens as LLM.generate, same {len(batches)} steps, every block returned")
+    return {"steps": len(batches), "batches": batches, "blocks_in_use": held}

@@ -1,0 +1,241 @@
+"""The lab checks: they pass a correct scheduler and reject typical mistakes with a useful hint.
+
+The reference below is written out again here (not imported from checks.py),
+so that the checks are tested against an independent implementation.
+"""
+
+import re
+import time
+from collections import deque
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from tinyserve.labs import check_continuous_step, check_end_to_end, check_retire  # noqa: E402
+from tinyserve.labs.checks import engine_trace, workloads  # noqa: E402
+
+
+def finished(request, config):
+    return bool(request.output_token_ids) and request.check_stop(config.max_model_len) is not None
+
+
+def retire(running, block_manager, config):
+    done = [r for r in running if finished(r, config)]
+    for r in done:
+        running.remove(r)
+        block_manager.free(r.request_id)
+    return done
+
+
+def continuous_step(running, waiting, block_manager, config):
+    plan, budget = [], config.max_num_batched_tokens
+    for r in running:
+        if budget == 0:
+            break
+        n = min(r.num_tokens - r.num_computed_tokens, budget)
+        block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+        plan.append((r, n))
+        budget -= n
+    while waiting and len(running) < config.max_num_seqs and budget > 0:
+        r = waiting[0]
+        n = min(r.num_tokens - r.num_computed_tokens, budget)
+        if not block_manager.can_allocate(r.request_id, r.num_computed_tokens + n):
+            break
+        waiting.popleft()
+        running.append(r)
+        block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+        plan.append((r, n))
+        budget -= n
+    return plan
+
+
+def make_step(*, budget=True, seats=True, blocks=True, fcfs=True, running_first=True):
+    """The reference step with one rule left out."""
+    def step(running, waiting, block_manager, config):
+        plan, left = [], config.max_num_batched_tokens if budget else 10**9
+        admitted = []
+        if running_first:
+            for r in running:
+                if left == 0:
+                    break
+                n = min(r.num_tokens - r.num_computed_tokens, left)
+                block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+                plan.append((r, n))
+                left -= n
+        for r in list(waiting):
+            if seats and len(running) >= config.max_num_seqs or left <= 0:
+                break
+            n = min(r.num_tokens - r.num_computed_tokens, left)
+            if blocks and not block_manager.can_allocate(r.request_id, r.num_computed_tokens + n):
+                if fcfs:
+                    break
+                continue
+            waiting.remove(r)
+            running.append(r)
+            admitted.append(r)
+            block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+            plan.append((r, n))
+            left -= n
+        if not running_first:                      # admissions first, then the running ones
+            for r in running:
+                if r in admitted or left == 0:
+                    continue
+                n = min(r.num_tokens - r.num_computed_tokens, left)
+                block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+                plan.append((r, n))
+                left -= n
+        return plan
+    return step
+
+
+# ---- the workloads exercise every limit --------------------------------------------
+
+def test_workloads_never_preempt_and_each_limit_binds():
+    ws = workloads()
+    assert len(ws) >= 8
+    for w in ws:
+        assert engine_trace(w).num_preemptions == 0, w.name
+    binding = set().union(*(w.binding for w in ws))
+    assert {"seats", "budget", "blocks"} <= binding
+    # Chunked prefill happens somewhere: a request is planned for fewer tokens than its prompt.
+    assert any(n < len(s.prompt) for w in ws for step in engine_trace(w).steps
+               for rid, n in step.plan for s in w.specs if s.request_id == rid and n > 1)
+
+
+# ---- the reference passes -------------------------------------------------------------
+
+def test_reference_passes_every_check(capsys):
+    for check, args in [(check_retire, (retire,)), (check_continuous_step, (continuous_step,))]:
+        started = time.perf_counter()
+        check(*args)
+        assert time.perf_counter() - started < 30      # meant to be ~1 s; generous for busy machines
+    result = check_end_to_end(retire, continuous_step, plot=False)
+    assert result["steps"] > 0 and len(result["batches"]) == result["steps"]
+    out = capsys.readouterr().out
+    assert out.count("✓") == 3
+
+
+# ---- typical mistakes are caught, with a hint naming the right thing ---------------
+
+def never_retires(running, block_manager, config):
+    return []
+
+
+def forgets_to_free(running, block_manager, config):
+    done = [r for r in running if finished(r, config)]
+    for r in done:
+        running.remove(r)
+    return done
+
+
+def rebuilds_the_list(running, block_manager, config):
+    done = [r for r in running if finished(r, config)]
+    for r in done:
+        block_manager.free(r.request_id)
+    running = [r for r in running if r not in done]    # rebinds: the caller's list is unchanged
+    return done
+
+
+def retires_prefilling_requests(running, block_manager, config):
+    done = [r for r in running if not r.output_token_ids or finished(r, config)]
+    for r in done:
+        running.remove(r)
+        block_manager.free(r.request_id)
+    return done
+
+
+def ignores_eos(running, block_manager, config):
+    done = [r for r in running if len(r.output_token_ids) >= r.sampling_params.max_tokens]
+    for r in done:
+        running.remove(r)
+        block_manager.free(r.request_id)
+    return done
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (never_retires, r"finished .* still in running"),
+    (forgets_to_free, r"block_manager\.free"),
+    (rebuilds_the_list, r"still in running"),
+    (retires_prefilling_requests, r"not finished"),
+    (ignores_eos, r"emitted EOS"),
+])
+def test_check_retire_rejects(wrong, hint):
+    with pytest.raises(AssertionError, match=hint) as info:
+        check_retire(wrong)
+    assert re.search(r"[\u4e00-\u9fff]", str(info.value)), "the hint should also be in Chinese"
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (make_step(budget=False), r"max_num_batched_tokens"),
+    (make_step(seats=False), r"max_num_seqs"),
+    (make_step(blocks=False), r"can_allocate"),
+    (make_step(fcfs=False), r"(?i)first come, first served"),
+    (make_step(running_first=False), r"running requests first"),
+])
+def test_check_continuous_step_rejects(wrong, hint):
+    with pytest.raises(AssertionError, match=hint) as info:
+        check_continuous_step(wrong)
+    assert re.search(r"[\u4e00-\u9fff]", str(info.value))
+
+
+def test_check_continuous_step_names_the_step_and_the_request():
+    def no_chunking(running, waiting, block_manager, config):
+        # Admits only whole prompts: misses the chunked prefill the engine does.
+        plan, budget = [], config.max_num_batched_tokens
+        for r in running:
+            if budget == 0:
+                break
+            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+            plan.append((r, n))
+            budget -= n
+        while waiting and len(running) < config.max_num_seqs:
+            r = waiting[0]
+            n = r.num_tokens - r.num_computed_tokens
+            if n > budget or not block_manager.can_allocate(r.request_id, n):
+                break
+            running.append(waiting.popleft())
+            block_manager.allocate(r.request_id, n)
+            plan.append((r, n))
+            budget -= n
+        return plan
+
+    with pytest.raises(AssertionError, match=r"request \d+ should have been admitted") as info:
+        check_continuous_step(no_chunking)
+    assert "budget" in str(info.value)
+
+
+def test_untouched_stubs_raise_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("write your code here")
+
+    for check, args in [(check_retire, (stub,)), (check_continuous_step, (stub,)),
+                        (check_end_to_end, (stub, stub))]:
+        with pytest.raises(NotImplementedError):
+            check(*args)
+
+
+def test_end_to_end_rejects_a_scheduler_that_never_retires():
+    with pytest.raises(AssertionError, match=r"still in running"):
+        check_end_to_end(never_retires, continuous_step, plot=False)
+
+
+def test_end_to_end_leaves_torch_threads_alone():
+    import torch
+
+    before = torch.get_num_threads()
+    check_end_to_end(retire, continuous_step, plot=False)
+    assert torch.get_num_threads() == before
+
+
+def test_checks_take_a_deque_for_waiting():
+    seen = []
+
+    def spy(running, waiting, block_manager, config):
+        seen.append(type(waiting))
+        return continuous_step(running, waiting, block_manager, config)
+
+    check_continuous_step(spy)
+    assert set(seen) == {deque}
