@@ -1,0 +1,368 @@
+"""Kernel benchmarks: ``python -m tinyserve.bench kernels [--out results.json]``.
+
+Every kernel here is memory-bound, so each is reported as bandwidth: the bytes
+its variant moves (from :func:`tinyserve.kernels.bytes_moved`) divided by its
+median time, next to the bandwidth of a plain copy (``dst.copy_(src)``)
+measured in the same run, which is about the best any kernel can do.
+
+- CPU (no GPU): add + RMSNorm in bfloat16, eager unfused
+  (``add_rmsnorm_unfused``) against the same function fused by
+  ``torch.compile`` (inductor writes one C++ loop per row), once with all
+  buffers reused between calls (the kernels alone) and once allocating
+  results on every call (as a model does; see :func:`bench_cpu`). Triton's
+  CPU interpreter is far too slow to time. Tensors are sized so the fused
+  kernel touches ``--gib`` GiB (default 1), many times the last-level cache,
+  so the bytes really come from DRAM.
+- GPU: every op, eager torch against the fused Triton kernel, timed with
+  ``triton.testing.do_bench`` (median), at sizes far past the L2 cache.
+
+One table per run; ``--out`` also writes it as JSON with the machine, date and
+torch/triton versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tinyserve import kernels as K
+
+GiB = 1 << 30
+HIDDEN = 4096          # Llama-2-7B's hidden size
+INTERMEDIATE = 11008   # and its MLP width
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- shared helpers ----------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str) -> dict:
+    info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu_name(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GiB, 1),
+                    sm_count=props.multi_processor_count, cuda=torch.version.cuda)
+    else:
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return info
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "triton": None}
+    if K.HAS_TRITON:
+        import triton
+        out["triton"] = triton.__version__
+    return out
+
+
+def row(op, variant, shape, dtype, nbytes, seconds, copy_gbps, baseline_s=None) -> dict:
+    gbps = nbytes / seconds / 1e9
+    return {"op": op, "variant": variant, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
+            "bytes": nbytes, "median_ms": seconds * 1e3, "GBps": gbps,
+            "frac_of_copy": gbps / copy_gbps,
+            "speedup_vs_eager": None if baseline_s is None else baseline_s / seconds}
+
+
+def print_table(title: str, copy_gbps: float, rows: list[dict]) -> None:
+    print(title)
+    print(f"copy bandwidth (dst.copy_(src), read + write): {copy_gbps:.1f} GB/s")
+    head = f"{'op':<24}{'variant':<26}{'shape':<22}{'dtype':<9}{'MiB moved':>11}" \
+           f"{'ms':>10}{'GB/s':>9}{'% copy':>8}{'speedup':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        speedup = "" if r["speedup_vs_eager"] is None else f"{r['speedup_vs_eager']:.2f}x"
+        shape = "x".join(str(s) for s in r["shape"])
+        print(f"{r['op']:<24}{r['variant']:<26}{shape:<22}{r['dtype']:<9}"
+              f"{r['bytes'] / 2**20:>11.0f}{r['median_ms']:>10.2f}{r['GBps']:>9.1f}"
+              f"{100 * r['frac_of_copy']:>7.0f}%{speedup:>9}")
+
+
+# ---- CPU: eager vs torch.compile ---------------------------------------------------------
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, timed in turn round after round, so a
+    burst of load from another process slows all of them rather than one."""
+    for fn in fns.values():
+        fn()                                  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def cpu_copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of ``dst.copy_(src)`` on ``nbytes`` (read + write counted)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)       # touched, so no page faults inside the timing
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def _eager_into(x, residual, weight, eps, buf):
+    """``add_rmsnorm_unfused``, step for step, into preallocated tensors ``buf``."""
+    torch.add(x, residual, out=buf["h"])
+    h32 = buf["h32"].copy_(buf["h"]) if "h32" in buf else buf["h"]
+    torch.pow(h32, 2, out=buf["sq"])
+    torch.mean(buf["sq"], -1, keepdim=True, out=buf["var"])
+    torch.add(buf["var"], eps, out=buf["var_eps"])
+    torch.rsqrt(buf["var_eps"], out=buf["rstd"])
+    torch.mul(h32, buf["rstd"], out=buf["normed"])
+    y = buf["y"].copy_(buf["normed"]) if "y" in buf else buf["normed"]
+    torch.mul(weight, y, out=buf["out"])
+    return buf["out"], buf["h"]
+
+
+def _compiled_into(x, residual, weight, eps, out, new_residual):
+    o, h = K.add_rmsnorm_unfused(x, residual, weight, eps)
+    out.copy_(o)                 # inductor stores straight into the given tensors
+    new_residual.copy_(h)
+
+
+def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
+              dtype: torch.dtype = torch.bfloat16) -> tuple[float, list[dict]]:
+    """add + RMSNorm, eager unfused against ``torch.compile``, two ways each.
+
+    Rows are chosen so the fused variant moves ``gib`` GiB per call.
+
+    - *reused buffers*: every output and intermediate is allocated once and
+      rewritten on each call, so the time is the kernels' alone (on a GPU,
+      PyTorch's caching allocator gives eager code this for free).
+    - *allocating*: each call allocates its results, as a model's forward
+      does. On a CPU a fresh large tensor comes straight from the OS, which
+      maps and zeroes every page on first touch: one more write of each
+      intermediate, plus a fault per 4 KiB page.
+
+    The default dtype is bfloat16, as LLMs are served; its unfused chain
+    also pays for the fp32 copies made to normalise in full precision.
+    """
+    rows = max(1, round(gib * GiB / (4 * hidden * torch.empty((), dtype=dtype).element_size())))
+    shape = (rows, hidden)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    res = torch.randn(shape, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    eps = 1e-5
+
+    f32 = torch.float32
+    buf = {"h": torch.empty_like(x), "sq": torch.empty(shape, dtype=f32),
+           "var": torch.empty(rows, 1, dtype=f32), "var_eps": torch.empty(rows, 1, dtype=f32),
+           "rstd": torch.empty(rows, 1, dtype=f32), "normed": torch.empty(shape, dtype=f32),
+           "out": torch.empty(shape, dtype=torch.promote_types(dtype, w.dtype))}
+    if dtype != f32:
+        buf.update(h32=torch.empty(shape, dtype=f32), y=torch.empty_like(x))
+    out, new_res = torch.empty_like(buf["out"]), torch.empty_like(x)
+    compiled = torch.compile(K.add_rmsnorm_unfused, dynamic=False)
+    compiled_into = torch.compile(_compiled_into, dynamic=False)
+
+    want = K.add_rmsnorm_unfused(x, res, w, eps)
+    got = _eager_into(x, res, w, eps, buf)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for got in (compiled(x, res, w, eps),                            # compiles (once)
+                (compiled_into(x, res, w, eps, out, new_res), out, new_res)[1:]):
+        torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[1], want[1])
+    del want, got
+
+    src = torch.ones(int(gib * GiB) // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)               # touched, so no page faults inside the timing
+    t = interleaved_medians({
+        "copy": lambda: dst.copy_(src),
+        "eager, reused buffers": lambda: _eager_into(x, res, w, eps, buf),
+        "compile, reused buffers": lambda: compiled_into(x, res, w, eps, out, new_res),
+        "eager, allocating": lambda: K.add_rmsnorm_unfused(x, res, w, eps),
+        "compile, allocating": lambda: compiled(x, res, w, eps),
+    }, repeats)
+    copy_gbps = 2 * src.numel() * 4 / t["copy"] / 1e9
+    unfused = K.bytes_moved("add_rmsnorm", "unfused", shape, dtype)
+    fused = K.bytes_moved("add_rmsnorm", "fused", shape, dtype)
+    results = []
+    for mode in ("reused buffers", "allocating"):
+        base = t[f"eager, {mode}"]
+        results.append(row("add_rmsnorm", f"eager, {mode}", shape, dtype, unfused, base,
+                           copy_gbps, base))
+        results.append(row("add_rmsnorm", f"compile, {mode}", shape, dtype, fused,
+                           t[f"compile, {mode}"], copy_gbps, base))
+    return copy_gbps, results
+
+
+# ---- GPU: eager torch vs Triton ----------------------------------------------------------
+
+def gpu_time(fn) -> float:
+    """Median seconds of ``fn()`` by ``triton.testing.do_bench`` (which flushes L2)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def gpu_copy_bandwidth(nbytes: int = GiB, device: str = "cuda", timer=gpu_time) -> float:
+    src = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / timer(lambda: dst.copy_(src)) / 1e9
+
+
+def _check(got, want):
+    if isinstance(got, tuple):
+        for g, w in zip(got, want):
+            _check(g, w)
+        return
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def bench_gpu(dtype: torch.dtype = torch.float16, tokens: int = 32768, batch: int = 16,
+              contexts=(2048, 8192, 32768), device: str = "cuda", timer=gpu_time,
+              copy_bytes: int = GiB) -> tuple[float, list[dict]]:
+    """Every op, eager torch vs fused Triton, at 7B/8B-model widths.
+
+    ``tokens`` rows for add_rmsnorm and softmax ([tokens, 4096]: 256 MiB per
+    fp16 tensor, several times an H200's L2) and half as many for silu_mul
+    ([tokens / 2, 11008]); decode attention for ``batch`` requests at each
+    context length in ``contexts``. Each fused result is checked against eager
+    before it is timed. (``device`` and ``timer`` let the tests run this on CPU.)
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    def pair(op, shape, eager, fused, count, label="triton (fused)"):
+        _check(fused(), eager())
+        t_eager, t_fused = timer(eager), timer(fused)
+        return [row(op, "eager torch", shape, dtype, K.bytes_moved(op, "unfused", **count),
+                    t_eager, copy_gbps, t_eager),
+                row(op, label, shape, dtype, K.bytes_moved(op, "fused", **count),
+                    t_fused, copy_gbps, t_eager)]
+
+    copy_gbps = gpu_copy_bandwidth(copy_bytes, device, timer)
+    results = []
+
+    shape = (tokens, HIDDEN)
+    x, res, w = randn(*shape), randn(*shape), randn(HIDDEN)
+    results += pair("add_rmsnorm", shape, lambda: K.add_rmsnorm_unfused(x, res, w, 1e-5),
+                    lambda: K.add_rmsnorm_triton(x, res, w, 1e-5), dict(shape=shape, dtype=dtype))
+    del x, res, w
+
+    shape = (tokens // 2, INTERMEDIATE)
+    gate, up = randn(*shape), randn(*shape)
+    results += pair("silu_mul", shape, lambda: K.silu_mul_unfused(gate, up),
+                    lambda: K.silu_mul_triton(gate, up), dict(shape=shape, dtype=dtype))
+    del gate, up
+
+    shape = (tokens, HIDDEN)
+    logits = randn(*shape)
+    results += pair("softmax", shape, lambda: K.softmax_unfused(logits),
+                    lambda: K.softmax_triton(logits), dict(shape=shape, dtype=dtype))
+    del logits
+
+    # Llama-3-8B-like attention: 32 query heads share 8 KV heads of 128 dims.
+    hq, hkv, d, block_size = 32, 8, 128, 16
+    for ctx in contexts:
+        blocks_per_seq = math.ceil(ctx / block_size)
+        num_blocks = batch * blocks_per_seq
+        k_cache = randn(num_blocks, block_size, hkv, d)
+        v_cache = randn(num_blocks, block_size, hkv, d)
+        tables = torch.randperm(num_blocks, device=device, generator=gen)
+        tables = tables.view(batch, blocks_per_seq).to(torch.int32)     # blocks scattered
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        q = randn(batch, hq, d)
+        args = (q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d))
+        splits = K.choose_num_splits(batch, hkv, blocks_per_seq * block_size)
+        results += pair("paged_decode_attention", (batch, hq, hkv, d, ctx),
+                        lambda: K.paged_decode_attention_torch(*args),
+                        lambda: K.paged_decode_attention_triton(*args),
+                        dict(context_lens=[ctx] * batch, num_heads=hq, num_kv_heads=hkv,
+                             head_dim=d, dtype=dtype, block_size=block_size, num_splits=splits),
+                        label=f"triton ({splits} split{'s' if splits > 1 else ''})")
+        del k_cache, v_cache, args
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return copy_gbps, results
+
+
+# ---- command line ------------------------------------------------------------------------
+
+def kernels_main(args) -> dict:
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    device = "cuda" if on_gpu else "cpu"
+    if on_gpu:
+        if not K.HAS_TRITON:
+            raise SystemExit("bench kernels: the GPU benchmark needs Triton (pip install triton)")
+        copy_gbps, results = bench_gpu()
+        title = f"Fused Triton kernels vs eager torch on {torch.cuda.get_device_name(0)}"
+        notes = "shapes: add_rmsnorm/softmax [tokens, hidden]; silu_mul [tokens, intermediate]; " \
+                "paged_decode_attention [batch, Hq, Hkv, head_dim, context]"
+    else:
+        load = os.getloadavg()
+        copy_gbps, results = bench_cpu(args.gib, args.repeats, dtype=DTYPES[args.dtype])
+        title = (f"add + RMSNorm on CPU ({cpu_name()}, {torch.get_num_threads()} threads): "
+                 f"eager unfused vs torch.compile (inductor)")
+        by = {r["variant"]: r for r in results}
+        kernels, alloc = by["compile, reused buffers"], by["compile, allocating"]
+        notes = (f"torch.compile vs eager: {kernels['speedup_vs_eager']:.2f}x with reused buffers "
+                 f"(fused at {100 * kernels['frac_of_copy']:.0f}% of copy bandwidth), "
+                 f"{alloc['speedup_vs_eager']:.2f}x when every call allocates\n"
+                 f"fused working set {args.gib:g} GiB; load average at start "
+                 f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    print_table(title, copy_gbps, results)
+    print(notes)
+    report = {"benchmark": "kernels", "device": device, "machine": machine_info(device),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              **versions(), "copy_GBps": copy_gbps, "notes": notes, "results": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
+                                     description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="bench", required=True)
+    kp = sub.add_parser("kernels", help="fused vs unfused kernels, in GB/s against a copy")
+    kp.add_argument("--out", help="also write the results as JSON to this path")
+    kp.add_argument("--gib", type=float, default=1.0,
+                    help="CPU: GiB the fused add+RMSNorm touches per call (default 1)")
+    kp.add_argument("--repeats", type=int, default=5, help="CPU: timed calls per variant")
+    kp.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                    help="CPU: dtype of the add+RMSNorm tensors (default bfloat16)")
+    kp.add_argument("--cpu", action="store_true", help="run the CPU benchmark even with a GPU")
+    args = parser.parse_args(argv)
+    if args.bench == "kernels":
+        kernels_main(args)
+
+
+if __name__ == "__main__":
+    main()
