@@ -299,6 +299,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     (dict(num_kv_blocks=0), "num_kv_blocks"),
     (dict(max_model_len=10_000), "max_model_len"),
     (dict(dtype="int3"), "dtype"),
+    (dict(kernels="cuda-graphs"), "kernels"),
 ])
 def test_bad_engine_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -341,3 +342,11 @@ def test_duplicate_request_id_is_rejected():
     engine.add_request([1, 2], request_id="a")
     with pytest.raises(ValueError, match="request_id 'a'"):
         engine.add_request([3, 4], request_id="a")
+
+
+def test_fused_triton_kernels_give_the_same_greedy_tokens(prompts, reference):
+    pytest.importorskip("triton")
+    llm = LLM("tiny", seed=0, kernels="triton", max_num_batched_tokens=64)
+    outs = llm.generate(prompts[:4], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert token_ids(outs) == reference[:4]
+    assert_all_blocks_free(llm)

@@ -195,6 +195,8 @@ class LLM:
     ``model`` is a preset name (random weights from ``seed``) or a directory in
     Hugging Face Llama format. ``num_kv_blocks=None`` sizes the cache to hold
     ``max_num_seqs`` full-length requests, within ``kv_cache_memory`` bytes.
+    ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
+    (in Triton's interpreter when there is no GPU: correct, but slow).
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -202,12 +204,13 @@ class LLM:
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, batching: str = "continuous",
                  policy: str = "fcfs", max_model_len: int | None = None,
-                 dtype: str = "float32", device: str | None = None,
+                 dtype: str = "float32", device: str | None = None, kernels: str = "torch",
                  kv_cache_memory: int = 512 * 2**20,
                  clock: Callable[[], float] = time.perf_counter):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         net, tokenizer = load_model(model, seed)
+        net.use_kernels(kernels)
         self.model = net.to(device=device or globals()["device"](), dtype=DTYPES[dtype])
         self.tokenizer = tokenizer
         context = net.config.max_position_embeddings

@@ -110,6 +110,22 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
+KERNEL_CHOICES = ("torch", "triton")
+
+
+def kernel_ops(kernels: str) -> dict:
+    """The model's memory-bound ops, from eager torch or fused Triton kernels."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels: unknown choice {kernels!r}; choose one of {list(KERNEL_CHOICES)}")
+    from tinyserve import kernels as K
+
+    if kernels == "torch":
+        return {"add_rmsnorm": K.add_rmsnorm_unfused, "silu_mul": K.silu_mul_unfused,
+                "decode_attention": None}
+    return {"add_rmsnorm": K.add_rmsnorm_triton, "silu_mul": K.silu_mul_triton,
+            "decode_attention": K.paged_decode_attention_triton}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -159,7 +175,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, kv, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -174,7 +190,10 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and ops["decode_attention"] is not None:
+            out[:nd] = ops["decode_attention"](q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                               meta.decode_context_lens, self.head_dim ** -0.5)
+        elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         start = nd
         for r in range(nd, len(meta.query_lens)):
@@ -220,11 +239,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, ops: dict):
+        return self.down_proj(ops["silu_mul"](self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """One block's weights; ``LlamaForServing.forward`` threads the residual through them."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
@@ -232,9 +253,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderStack(nn.Module):
@@ -248,11 +266,18 @@ class DecoderStack(nn.Module):
 
 
 class LlamaForServing(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: str = "torch"):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.use_kernels(kernels)
+
+    def use_kernels(self, kernels: str) -> "LlamaForServing":
+        """Run the memory-bound ops as eager torch ("torch") or fused Triton kernels ("triton")."""
+        self.ops = kernel_ops(kernels)
+        self.kernels = kernels
+        return self
 
     @classmethod
     def from_seed(cls, config: ModelConfig, seed: int = 0) -> "LlamaForServing":
@@ -278,12 +303,23 @@ class LlamaForServing(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Run the packed batch; return logits only for the rows in ``logits_indices``
         (the last new token of each request that is due to sample)."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, kv_cache)
-        x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        ops, eps, layers = self.ops, self.config.rms_norm_eps, self.model.layers
+        residual = self.model.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
+                                  residual.dtype)
+        h = layers[0].input_layernorm(residual)
+        # Each residual add is fused with the norm that follows it (one kernel with
+        # kernels="triton"); the arithmetic is the same as transformers' Llama.
+        for i, layer in enumerate(layers):
+            a = layer.self_attn(h, cos, sin, meta, kv_cache, ops)
+            h, residual = ops["add_rmsnorm"](a, residual, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp(h, ops)
+            if i + 1 < len(layers):
+                h, residual = ops["add_rmsnorm"](m, residual, layers[i + 1].input_layernorm.weight, eps)
+            else:
+                residual = m + residual
+        # Only the rows that sample need the final norm and the (large) vocabulary projection.
+        return self.lm_head(self.model.norm(residual[logits_indices])).float()
 
     # ---- Hugging Face Llama format -------------------------------------------------
 
