@@ -239,3 +239,175 @@ def test_checks_take_a_deque_for_waiting():
 
     check_continuous_step(spy)
     assert set(seen) == {deque}
+
+
+# ---- lab 02: fused add + RMSNorm ---------------------------------------------------------
+# Reference kernel and launcher written out again here, plus typical wrong kernels.
+
+import math  # noqa: E402
+
+import torch  # noqa: E402
+
+from tinyserve import kernels as K  # noqa: E402  (sets TRITON_INTERPRET before any @triton.jit)
+from tinyserve.labs import check_add_rmsnorm, check_add_rmsnorm_kernel, check_fused_bytes  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="Triton is not installed")
+
+if K.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ref_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        offs = row * n_cols + cols
+        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(new_res_ptr + offs, h, mask=mask)
+        h32 = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
+
+    @triton.jit
+    def no_mask_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        offs = row * n_cols + cols
+        h = tl.load(x_ptr + offs) + tl.load(res_ptr + offs)
+        tl.store(new_res_ptr + offs, h)
+        h32 = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
+        tl.store(out_ptr + offs, h32 * rstd * tl.load(w_ptr + cols).to(tl.float32))
+
+    @triton.jit
+    def fp16_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        offs = row * n_cols + cols
+        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(new_res_ptr + offs, h, mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)       # in the input dtype
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, h * rstd * w, mask=mask)
+
+    @triton.jit
+    def eps_outside_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        offs = row * n_cols + cols
+        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(new_res_ptr + offs, h, mask=mask)
+        h32 = h.to(tl.float32)
+        rstd = 1.0 / (tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols) + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
+
+    @triton.jit
+    def x_as_residual_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        offs = row * n_cols + cols
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        h = x + tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(new_res_ptr + offs, x, mask=mask)                         # stores x, not the sum
+        h32 = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
+
+    @triton.jit
+    def block_mean_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        offs = row * n_cols + cols
+        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
+        tl.store(new_res_ptr + offs, h, mask=mask)
+        h32 = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / BLOCK_N + eps)   # padded width
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
+
+    @triton.jit
+    def stub_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+        raise NotImplementedError("write your code here")
+
+
+def ref_launcher(x, residual, weight, eps):
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
+    out, new_res = torch.empty_like(x2), torch.empty_like(x2)
+    ref_kernel[(x2.shape[0],)](x2, r2, weight, out, new_res, n, eps, BLOCK_N=triton.next_power_of_2(n))
+    return out.view(x.shape), new_res.view(x.shape)
+
+
+def ref_fused_bytes(shape, dtype):
+    n = shape[-1]
+    mn = math.prod(shape)
+    e = torch.empty((), dtype=dtype).element_size()
+    return 4 * mn * e + n * e
+
+
+@needs_triton
+def test_lab02_reference_passes_every_check(capsys):
+    check_fused_bytes(ref_fused_bytes)
+    check_add_rmsnorm_kernel(ref_kernel)
+    check_add_rmsnorm(ref_launcher)
+    out = capsys.readouterr().out
+    assert out.count("✓") == 3 and "bytes saved" in out and "MiB saved per call" in out
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")       # the fp16 sum of squares overflows, as it should
+@pytest.mark.parametrize("wrong, hint", [
+    ("no_mask_kernel", r"wrote past the end.*mask=cols < n_cols"),
+    ("fp16_norm_kernel", r"overflowed fp16.*tl\.float32"),
+    ("eps_outside_kernel", r"eps is in the wrong place"),
+    ("x_as_residual_kernel", r"new_residual holds x"),
+    ("block_mean_kernel", r"divide by the real width n_cols"),
+])
+def test_check_add_rmsnorm_kernel_rejects(wrong, hint):
+    with pytest.raises(AssertionError, match=hint) as info:
+        check_add_rmsnorm_kernel(globals()[wrong])
+    assert re.search(r"[\u4e00-\u9fff]", str(info.value)), "the hint must also be in Chinese"
+
+
+@needs_triton
+def test_lab02_stubs_raise_not_implemented():
+    with pytest.raises(NotImplementedError):
+        check_add_rmsnorm_kernel(stub_kernel)
+
+    def stub(*args):
+        raise NotImplementedError("write your code here")
+
+    with pytest.raises(NotImplementedError):
+        check_fused_bytes(stub)
+    with pytest.raises(NotImplementedError):
+        check_add_rmsnorm(stub)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda shape, dtype: math.prod(shape) * 4 + shape[-1], r"elements, not bytes"),
+    (lambda shape, dtype: ref_fused_bytes(shape, dtype) - shape[-1] * torch.empty((), dtype=dtype).element_size(),
+     r"weight is missing"),
+    (lambda shape, dtype: 3 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+     + shape[-1] * torch.empty((), dtype=dtype).element_size(), r"one write is missing"),
+])
+def test_check_fused_bytes_rejects(wrong, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check_fused_bytes(wrong)
+
+
+@needs_triton
+def test_check_add_rmsnorm_rejects_a_launcher_that_drops_the_leading_dims():
+    def flat(x, residual, weight, eps):
+        out, new_res = ref_launcher(x, residual, weight, eps)
+        return out.reshape(-1, x.shape[-1]), new_res.reshape(-1, x.shape[-1])
+
+    with pytest.raises(AssertionError, match=r"\.view\(x\.shape\)"):
+        check_add_rmsnorm(flat)

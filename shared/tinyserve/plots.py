@@ -102,7 +102,7 @@ def plot_request_timeline(spans, ax=None, title="Who is in the batch, and when")
     ax.set_xlabel("time since the first arrival (s)")
     ax.set_ylabel("request (queue order)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, title="solid: in batch\npale: queued", title_fontsize=7, loc="center right")
+    ax.legend(fontsize=8, title="solid: in batch\npale: queued", title_fontsize=7, loc="upper right")
     return ax
 
 
@@ -276,5 +276,80 @@ def step_cost_fit(points, model, ax=None, xlabel="tokens in the step"):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    return ax
+
+
+# ---- notebook 02: kernel fusion ------------------------------------------------------
+
+def _nb02_ax(ax, figsize=(5, 3.2)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize, dpi=90)
+    return ax
+
+
+def bytes_moved_bars(labels, unfused, fused, ax=None, title="Bytes moved per call",
+                     unit=2**20, unit_name="MiB"):
+    """Grouped bars: bytes an unfused chain and the fused kernel move, for each shape in ``labels``."""
+    ax = _nb02_ax(ax)
+    x = np.arange(len(labels))
+    width = 0.38
+    for offset, values, name, color in [(-width / 2, unfused, "unfused (eager)", "tab:red"),
+                                        (width / 2, fused, "fused", "tab:green")]:
+        vals = np.asarray(values, dtype=float) / unit
+        bars = ax.bar(x + offset, vals, width, label=name, color=color, alpha=0.8)
+        for bar, v in zip(bars, vals):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.3g}",
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, labels)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"bytes read + written ({unit_name})")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.2)
+    ax.legend(fontsize=7)
+    return ax
+
+
+def bandwidth_bars(rows, copy_gbps, ax=None, title="Achieved bandwidth", label_key="variant"):
+    """Bars of GB/s (bytes moved by each variant / its median time), the copy bandwidth as a line.
+
+    ``rows`` are dicts with at least ``GBps`` and ``label_key`` (``tinyserve.bench`` rows);
+    the bar text gives the speed-up over eager where the row has one.
+    """
+    ax = _nb02_ax(ax)
+    labels = [str(r[label_key]) for r in rows]
+    values = [r["GBps"] for r in rows]
+    colors = ["tab:green" if any(k in lab for k in ("compile", "triton", "fused")) else "tab:red"
+              for lab in labels]
+    bars = ax.bar(range(len(rows)), values, color=colors, alpha=0.8)
+    for bar, r in zip(bars, rows):
+        s = r.get("speedup_vs_eager")
+        text = f"{r['GBps']:.0f}" + (f"\n{s:.1f}x" if s and abs(s - 1) > 1e-9 else "")
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text,
+                ha="center", va="bottom", fontsize=7)
+    ax.axhline(copy_gbps, color="black", ls="--", lw=1.2, label=f"copy: {copy_gbps:.0f} GB/s")
+    ax.set_xticks(range(len(rows)), [lab.replace(", ", "\n") for lab in labels], fontsize=7)
+    ax.set_ylabel("GB/s (bytes moved / time)")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.2)
+    ax.legend(fontsize=7, loc="upper right")
+    return ax
+
+
+def bytes_vs_context(contexts, series, ax=None, title="Decode attention: bytes per step",
+                     unit=2**20, unit_name="MiB"):
+    """Bytes moved against context length (log-log), one line per variant in ``series``."""
+    ax = _nb02_ax(ax)
+    styles = [("o-", "tab:red"), ("s-", "tab:green"), ("^--", "0.45"), ("d:", "0.6"), ("v-.", "0.3")]
+    for i, (label, values) in enumerate(series.items()):
+        style, color = styles[i % len(styles)]
+        ax.plot(contexts, np.asarray(values, dtype=float) / unit, style, color=color, ms=4, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("context length (tokens per request)")
+    ax.set_ylabel(f"bytes read + written ({unit_name})")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return ax
