@@ -11,12 +11,14 @@ PIP_ARGS ?=
 DIR ?= chapters
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test demo execute labs grade clean
+.PHONY: help venv install lab test demo bench bench-gpu execute labs grade clean
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
 	@echo "make test     run every test: unit tests, notebooks (nbval), labs checks"
-	@echo "make demo     run the engine demo (python -m tinyserve.demo)"
+	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.demo)"
+	@echo "make bench    fused vs unfused kernels on this machine, one table"
+	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
 	@echo "make execute  re-run all notebooks in chapters/ and solutions/ in place, rebuild labs/"
 	@echo "make labs     build labs/ from solutions/"
 	@echo "make grade NB=path/to/lab.ipynb   run a student's lab and print its score"
@@ -49,6 +51,13 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m tinyserve.demo
+
+bench: $(STAMP)
+	$(PY) -m tinyserve.bench kernels
+
+# Run on a machine with a GPU; the notebooks show the stored file when there is none.
+bench-gpu: $(STAMP)
+	$(PY) -m tinyserve.bench kernels --out shared/tinyserve/data/bench_kernels_gpu.json
 
 execute: $(STAMP)
 	$(PY) -m tinyserve.notebooks execute chapters solutions
