@@ -1,0 +1,108 @@
+import math
+
+import numpy as np
+import pytest
+
+from tinyserve import hardware as hwm
+from tinyserve.hardware import (
+    A100_SXM_80GB, H100_SXM, H200, LLAMA_7B, LLAMA_70B, ModelSpec, crossover_batch,
+    decode_step_time, find_knee, fit_knee, kv_bytes_per_token, per_request_compute_time,
+    tokens_per_second, weight_bytes, weight_read_time,
+)
+from tinyserve.model import get_preset
+
+
+def test_chapter_figures_a100_llama7b_fp16():
+    assert weight_bytes(LLAMA_7B, "fp16") == 14e9
+    assert weight_read_time(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(6.9e-3, abs=0.1e-3)
+    assert per_request_compute_time(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(45e-6, abs=1e-6)
+    assert crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(153, abs=1)
+    # the ratio is exactly the ridge point peak / bandwidth in fp16
+    assert crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(312e12 / 2039e9, rel=1e-12)
+
+
+def test_other_presets():
+    assert crossover_batch(H200, LLAMA_7B, "fp16") == pytest.approx(206, abs=1)
+    assert crossover_batch(H100_SXM, LLAMA_7B, "bf16") == pytest.approx(989 / 3.35, rel=1e-9)
+    assert hwm.get_hardware("H200") is H200
+    with pytest.raises(ValueError, match="B200"):
+        hwm.get_hardware("B200")
+    # fp32 moves 2x the bytes per parameter: the crossover is 2x the ridge point
+    assert crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp32") == pytest.approx(2 * 19.5e12 / 2039e9)
+
+
+def test_kv_bytes():
+    assert kv_bytes_per_token(LLAMA_7B, "fp16") == 32 * 2 * 4096 * 2 == 512 * 1024
+    assert kv_bytes_per_token(LLAMA_70B, "fp16") == 80 * 2 * 8 * 128 * 2  # GQA: 8 kv heads
+
+
+def test_decode_step_flat_then_linear():
+    floor = weight_read_time(A100_SXM_80GB, LLAMA_7B, "fp16")
+    per = per_request_compute_time(A100_SXM_80GB, LLAMA_7B, "fp16")
+    step = lambda b: decode_step_time(A100_SXM_80GB, LLAMA_7B, b, "fp16")  # noqa: E731
+    for b in (1, 8, 64, 150, 153):
+        assert step(b) == pytest.approx(floor)
+    for b in (160, 256, 1024):
+        assert step(b) == pytest.approx(b * per)
+    per_user, total = tokens_per_second(A100_SXM_80GB, LLAMA_7B, 64, "fp16")
+    assert per_user == pytest.approx(1 / floor) and total == pytest.approx(64 / floor)
+    # KV reads raise the floor and lower the crossover
+    assert decode_step_time(A100_SXM_80GB, LLAMA_7B, 64, "fp16", context_len=2048) > floor
+    assert hwm.arithmetic_intensity(LLAMA_7B, 32, "fp16") == pytest.approx(32)
+    assert hwm.arithmetic_intensity(LLAMA_7B, 32, "fp16", context_len=4096) < 32
+
+
+def test_from_config():
+    cfg = get_preset("cpu-bench")
+    spec = ModelSpec.from_config(cfg, name="cpu-bench")
+    assert spec.num_parameters == cfg.num_parameters()
+    assert kv_bytes_per_token(spec, "fp32") == cfg.kv_bytes_per_token()
+
+
+def test_value_errors():
+    with pytest.raises(ValueError, match="fp12"):
+        weight_bytes(LLAMA_7B, "fp12")
+    with pytest.raises(ValueError, match="fp8"):
+        crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp8")  # A100 has no fp8
+    with pytest.raises(ValueError):
+        decode_step_time(A100_SXM_80GB, LLAMA_7B, 0, "fp16")
+
+
+def _hinge(b, knee, floor=1e-2):
+    return np.maximum(floor, floor * b / knee)
+
+
+@pytest.mark.parametrize("knee", [16, 153, 184])
+def test_find_knee_noisy(knee):
+    rng = np.random.default_rng(knee)
+    b = np.unique(np.round(np.geomspace(1, 1024, 24)))
+    for _ in range(5):
+        t = _hinge(b, knee) * (1 + 0.05 * rng.standard_normal(b.size))
+        assert find_knee(b, t) == pytest.approx(knee, rel=0.3)
+    fit = fit_knee(b, _hinge(b, knee))
+    assert fit.knee == pytest.approx(knee, rel=0.02) and not fit.flat
+    assert fit.floor == pytest.approx(1e-2, rel=1e-3)
+    assert np.allclose(fit.predict(b), _hinge(b, knee), rtol=0.02)
+
+
+def test_find_knee_flat_and_bad_input():
+    b = [1, 2, 4, 8, 16, 32]
+    fit = fit_knee(b, [5e-3] * 6)
+    assert fit.flat and fit.knee == 32 and fit.slope == 0 and fit.floor == pytest.approx(5e-3)
+    rng = np.random.default_rng(0)
+    assert find_knee(b, 5e-3 * (1 + 0.05 * rng.standard_normal(6))) == 32
+    with pytest.raises(ValueError):
+        find_knee([1, 2, 4], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        find_knee([1, 2], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        find_knee([1, 2, 4], [1.0, 0.0, 2.0])
+    with pytest.raises(ValueError):
+        find_knee([0, 2, 4], [1.0, 1.0, 2.0])
+
+
+def test_measure_device_tiny():
+    spec = hwm.measure_device("cpu", seconds=0.05, copy_mib=4, matmul_size=128)
+    assert spec.memory_bandwidth > 0 and math.isfinite(spec.memory_bandwidth)
+    assert spec.flops["fp32"] > 0 and math.isfinite(spec.flops["fp32"])
+    assert spec.name and "measured" in spec.source
