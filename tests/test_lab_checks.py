@@ -411,3 +411,223 @@ def test_check_add_rmsnorm_rejects_a_launcher_that_drops_the_leading_dims():
 
     with pytest.raises(AssertionError, match=r"\.view\(x\.shape\)"):
         check_add_rmsnorm(flat)
+
+
+# ---- lab 03: the batch-size crossover ------------------------------------------------------
+# Reference functions written out again here, plus typical wrong ones.
+
+import numpy as np  # noqa: E402
+
+from tinyserve.hardware import A100_SXM_80GB, H200, LLAMA_7B, bytes_per_element, fit_knee  # noqa: E402
+from tinyserve.labs import (  # noqa: E402
+    check_crossover, check_find_knee, check_my_machine, check_per_request_compute_time,
+    check_weight_read_time,
+)
+
+
+def ref_weight_read_time(hw, model, dtype):
+    return model.num_parameters * bytes_per_element(dtype) / hw.memory_bandwidth
+
+
+def ref_per_request_compute_time(hw, model, dtype):
+    return 2 * model.num_parameters / hw.peak_flops(dtype)
+
+
+def ref_crossover_batch(hw, model, dtype):
+    return ref_weight_read_time(hw, model, dtype) / ref_per_request_compute_time(hw, model, dtype)
+
+
+def _hinge_search(b, t, relative=True, candidates=None):
+    best = None
+    for k in (np.geomspace(b.min(), b.max(), 400) if candidates is None else candidates):
+        x = np.maximum(b - k, 0.0)
+        a = np.stack([np.ones_like(b), x], axis=1)
+        w = 1 / t if relative else np.ones_like(t)
+        (floor, slope), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+        if slope < 0:
+            continue
+        resid = np.sum(((t - floor - slope * x) * w) ** 2)
+        if best is None or resid < best[0]:
+            best = (resid, float(k), float(floor), float(slope))
+    return best
+
+
+def ref_find_knee(batch_sizes, step_times):
+    b = np.asarray(batch_sizes, dtype=float)
+    t = np.asarray(step_times, dtype=float)
+    if b.ndim != 1 or b.shape != t.shape or b.size < 3:
+        raise ValueError("need two 1-D arrays of the same length, at least 3 points")
+    if not (np.all(np.isfinite(b)) and np.all(np.isfinite(t)) and np.all(b > 0) and np.all(t > 0)):
+        raise ValueError("positive, finite values only")
+    best = _hinge_search(b, t)
+    if best is None or best[3] * (b.max() - best[1]) < 0.1 * best[2]:
+        return float(b.max())
+    return best[1]
+
+
+def test_lab03_reference_passes_every_check(capsys):
+    check_weight_read_time(ref_weight_read_time)
+    check_per_request_compute_time(ref_per_request_compute_time)
+    check_crossover(ref_crossover_batch)
+    check_find_knee(ref_find_knee)
+    out = capsys.readouterr().out
+    assert out.count("✓") == 4
+    assert "6.87 ms" in out and "44.9 µs" in out and "153" in out and "206" in out
+
+
+def test_lab03_hardware_reference_passes_find_knee():
+    from tinyserve.hardware import find_knee
+    check_find_knee(find_knee)
+
+
+def _validated(fn):
+    """Wrap a wrong knee finder so that it still rejects bad input like the reference."""
+    def wrapped(batch_sizes, step_times):
+        ref_find_knee(batch_sizes, step_times)
+        return fn(np.asarray(batch_sizes, dtype=float), np.asarray(step_times, dtype=float))
+    return wrapped
+
+
+def _floor_not_knee(b, t):
+    k = ref_find_knee(b, t)
+    return float(np.median(t[b <= k]))
+
+
+def _one_line(b, t):
+    slope, intercept = np.polyfit(b, t, 1)
+    return float((t.min() - intercept) / slope)
+
+
+def _never_flat(b, t):
+    best = _hinge_search(b, t)
+    return best[1] if best else float(b.min())
+
+
+def _too_few_candidates(b, t):
+    best = _hinge_search(b, t, candidates=np.geomspace(b.min(), b.max(), 5))
+    return best[1]
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_floor_not_knee, r"looks like the floor step time \(seconds\), not a batch size"),
+    (_one_line, r"one straight line through every point"),
+    (_never_flat, r"this curve is flat .* return max\(batch_sizes\)"),
+    (lambda b, t: float(b.max()), r"i\.e\. a flat curve, but it clearly bends"),
+    (_too_few_candidates, r"try enough candidate knees"),
+])
+def test_check_find_knee_rejects(wrong, hint):
+    with pytest.raises(AssertionError, match=hint) as info:
+        check_find_knee(_validated(wrong))
+    assert re.search(r"[\u4e00-\u9fff]", str(info.value)), "the hint must also be in Chinese"
+
+
+def test_check_find_knee_wants_value_errors():
+    def no_validation(batch_sizes, step_times):
+        try:
+            return ref_find_knee(batch_sizes, step_times)
+        except ValueError:
+            return 1.0
+    with pytest.raises(AssertionError, match=r"must raise ValueError"):
+        check_find_knee(no_validation)
+
+
+def test_find_knee_cases_agree_with_fit_knee():
+    from tinyserve.labs.checks import _knee_cases
+    for label, b, t, true in _knee_cases():
+        fit = fit_knee(b, t)
+        if true is None:
+            assert fit.flat, label
+        else:
+            assert not fit.flat and fit.knee == pytest.approx(true, rel=0.3), label
+
+
+def _one_byte_read(hw, model, dtype):
+    return model.num_parameters / hw.memory_bandwidth
+
+
+def _two_bytes_read(hw, model, dtype):
+    return 2 * model.num_parameters / hw.memory_bandwidth
+
+
+def _one_flop(hw, model, dtype):
+    return model.num_parameters / hw.peak_flops(dtype)
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda hw, m, d: _one_byte_read(hw, m, d) / ref_per_request_compute_time(hw, m, d),
+     r"got 76\.51, expected 153: did you count 1 byte per parameter"),
+    (lambda hw, m, d: _two_bytes_read(hw, m, d) / ref_per_request_compute_time(hw, m, d),
+     r"fp32\] crossover_batch: got 9\.564, expected 19\.13: did you hard-code 2 bytes per parameter"),
+    (lambda hw, m, d: hw.peak_flops(d) / hw.memory_bandwidth, r"or return the ridge point"),
+    (lambda hw, m, d: ref_weight_read_time(hw, m, d) / _one_flop(hw, m, d),
+     r"got 306, expected 153: twice too large: did you count 1 FLOP per parameter"),
+    (lambda hw, m, d: 153.0, r"153 holds only for the chapter's A100"),
+    (lambda hw, m, d: 1 / ref_crossover_batch(hw, m, d), r"upside down"),
+    (lambda hw, m, d: ref_weight_read_time(hw, m, d) * 1e3 / ref_per_request_compute_time(hw, m, d),
+     r"mixed units"),
+])
+def test_check_crossover_rejects(fn, hint):
+    with pytest.raises(AssertionError, match=hint) as info:
+        check_crossover(fn)
+    assert re.search(r"[\u4e00-\u9fff]", str(info.value))
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (_one_byte_read, r"did you count 1 byte per parameter"),
+    (_two_bytes_read, r"fp32\] .*did you hard-code 2 bytes per parameter"),
+    (lambda hw, m, d: 1e3 * ref_weight_read_time(hw, m, d), r"milliseconds"),
+    (lambda hw, m, d: ref_per_request_compute_time(hw, m, d), r"that is the compute time"),
+])
+def test_check_weight_read_time_rejects(fn, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check_weight_read_time(fn)
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (_one_flop, r"a factor 2 is missing"),
+    (lambda hw, m, d: 2 * m.num_parameters / hw.flops["fp16"], r"you always used the fp16 peak"),
+    (lambda hw, m, d: 1e6 * ref_per_request_compute_time(hw, m, d), r"microseconds"),
+])
+def test_check_per_request_compute_time_rejects(fn, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check_per_request_compute_time(fn)
+
+
+def test_lab03_stubs_raise_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("write your code here")
+
+    for check in (check_weight_read_time, check_per_request_compute_time, check_crossover, check_find_knee):
+        with pytest.raises(NotImplementedError):
+            check(stub)
+    start = time.perf_counter()
+    with pytest.raises(NotImplementedError):
+        check_my_machine(stub, ref_crossover_batch)
+    with pytest.raises(NotImplementedError):
+        check_my_machine(ref_find_knee, stub)
+    assert time.perf_counter() - start < 1, "a stub must fail before anything is measured"
+
+
+def test_check_my_machine_end_to_end(capsys):
+    import torch
+    threads = torch.get_num_threads()
+    result = check_my_machine(ref_find_knee, ref_crossover_batch, plot=False, budget_s=3.0)
+    assert torch.get_num_threads() == threads
+    b = result["batch_sizes"]
+    assert len(b) >= 8 and b == sorted(b) and b[0] == 1
+    assert min(b) <= result["knee"] <= max(b)
+    assert result["predicted"] == pytest.approx(ref_crossover_batch(result["spec"], result["model"], "fp32"))
+    assert all(t > 0 for t in result["step_times"])
+    assert "✓" in capsys.readouterr().out
+
+
+def test_check_my_machine_rejects_a_wrong_crossover_on_the_measured_machine():
+    def fp16_only(hw, model, dtype):              # ignores dtype: fine on presets' fp16, wrong on the CPU
+        return ref_crossover_batch(hw, model, dtype) * (2 if dtype == "fp32" else 1)
+    with pytest.raises(AssertionError, match=r"on the measured .*crossover_batch gave"):
+        check_my_machine(ref_find_knee, fp16_only, plot=False, budget_s=2.0)
+
+
+def test_lab03_chapter_figures():
+    assert ref_crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(153, abs=0.5)
+    assert ref_crossover_batch(H200, LLAMA_7B, "fp16") == pytest.approx(206, abs=0.5)

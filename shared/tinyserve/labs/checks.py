@@ -1028,3 +1028,487 @@ def check_add_rmsnorm(add_rmsnorm):
                  "reshape(-1, n_cols).contiguous() first")
     print("✓ add_rmsnorm 通过：任意前导维度、非 2 的幂宽度，与 tinyserve.kernels.add_rmsnorm_triton 一致 "
           "/ add_rmsnorm matches tinyserve.kernels.add_rmsnorm_triton on leading dims and irregular widths")
+
+
+# ---- lab 03: the batch-size crossover ---------------------------------------------------
+#
+# Lab 03 asks for four functions (seconds, bytes, FLOP/s, as in tinyserve.hardware):
+#
+# * ``weight_read_time(hw, model, dtype)``: every parameter read once, bytes / bandwidth.
+# * ``per_request_compute_time(hw, model, dtype)``: 2 FLOPs per parameter at peak.
+# * ``crossover_batch(hw, model, dtype)``: the ratio of the two.
+# * ``find_knee(batch_sizes, step_times) -> float``: the knee of a flat-then-linear fit;
+#   ``max(batch_sizes)`` when the curve does not rise; ValueError on bad input.
+#
+# The references are ``tinyserve.hardware``'s functions of the same names
+# (``find_knee`` via ``fit_knee``). The last check measures the student's own
+# machine: ceilings with ``measure_device``, then a sweep of a stack of matmuls.
+
+__all__ += ["check_weight_read_time", "check_per_request_compute_time", "check_crossover",
+            "check_find_knee", "check_my_machine"]
+
+
+def _lab03_cases():
+    """(label, hw, model, dtype): the chapter's case first, then ones that catch shortcuts."""
+    from tinyserve import hardware as H
+    toy = H.HardwareSpec("toy-accelerator", {"fp32": 1.3e12, "fp16": 5.2e12, "int8": 10.4e12},
+                         memory_bandwidth=37e9, memory_size=16e9)
+    return [
+        ("A100 + 7B, fp16", H.A100_SXM_80GB, H.LLAMA_7B, "fp16"),
+        ("A100 + 7B, fp32", H.A100_SXM_80GB, H.LLAMA_7B, "fp32"),
+        ("H200 + 7B, fp16", H.H200, H.LLAMA_7B, "fp16"),
+        ("H100 + 70B, bf16", H.H100_SXM, H.LLAMA_70B, "bf16"),
+        ("H200 + 13B, fp8", H.H200, H.LLAMA_13B, "fp8"),
+        ("toy + 13B, int8", toy, H.LLAMA_13B, "int8"),
+    ]
+
+
+def _as_number(value, name, label):
+    import math
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        fail(None, f"[{label}] {name} 应返回一个数（float），得到的是 {type(value).__name__}: {value!r}",
+             f"[{label}] {name} must return a number (a float), got {type(value).__name__}: {value!r}")
+    if not math.isfinite(x):
+        fail(None, f"[{label}] {name} 返回了 {x}", f"[{label}] {name} returned {x}")
+    return x
+
+
+def _call3(fn, name, label, *args):
+    try:
+        return fn(*args)
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        if "NotImplementedError" in text:
+            raise NotImplementedError("还有没写完的部分 / something is not written yet") from None
+        raise AssertionError(f"[{label}] {name} 抛出了 {text}\n/ [{label}] {name} raised {text}") from e
+
+
+def _fmt_time(seconds: float) -> str:
+    a = abs(seconds)
+    if a >= 1:
+        return f"{seconds:.3g} s"
+    if a >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    if a >= 1e-6:
+        return f"{seconds * 1e6:.3g} µs"
+    return f"{seconds:.3g} s"
+
+
+def _match_hint(got, want, hints, label, name, unit_fmt):
+    """Raise with the hint whose wrong value matches ``got``; else a generic one."""
+    for value, zh, en in hints:
+        if value is not None and abs(value - want) > 1e-9 * abs(want) and abs(got - value) <= 1e-6 * abs(value):
+            fail(None, f"[{label}] {name} 得到 {unit_fmt(got)}，应为 {unit_fmt(want)}：{zh}",
+                 f"[{label}] {name}: got {unit_fmt(got)}, expected {unit_fmt(want)}: {en}")
+
+
+def check_weight_read_time(weight_read_time):
+    """``weight_read_time(hw, model, dtype)`` = parameters x bytes per parameter / bandwidth, in seconds."""
+    from tinyserve import hardware as H
+    for label, hw, model, dtype in _lab03_cases():
+        got = _as_number(_call3(weight_read_time, "weight_read_time", label, hw, model, dtype),
+                         "weight_read_time", label)
+        want = H.weight_read_time(hw, model, dtype)
+        if abs(got - want) <= 5e-4 * want:      # float rounding, and the chapter's rounded 153
+            continue
+        n, bw, e = model.num_parameters, hw.memory_bandwidth, H.bytes_per_element(dtype)
+        hints = [
+            (n / bw, "是不是把每个参数的字节数算成了 1？字节数取决于 dtype：hardware.bytes_per_element(dtype)",
+             "did you count 1 byte per parameter? It depends on dtype: hardware.bytes_per_element(dtype)"),
+            (2 * n / bw, f"每个参数固定算了 2 字节？{dtype} 每个参数 {e} 字节：用 hardware.bytes_per_element(dtype)",
+             f"did you hard-code 2 bytes per parameter? {dtype} has {e}: use hardware.bytes_per_element(dtype)"),
+            (4 * n / bw, f"每个参数固定算了 4 字节？{dtype} 每个参数 {e} 字节：用 hardware.bytes_per_element(dtype)",
+             f"did you hard-code 4 bytes per parameter? {dtype} has {e}: use hardware.bytes_per_element(dtype)"),
+            (want * 1e3, "这是毫秒，不是秒：返回秒（不要乘 1000）",
+             "that is in milliseconds: return seconds (do not multiply by 1000)"),
+            (want * 1e6, "这是微秒，不是秒：返回秒", "that is in microseconds: return seconds"),
+            (want * 1e9, "带宽按 GB/s 的数值用了？hw.memory_bandwidth 已经是字节每秒",
+             "did you use the bandwidth in GB/s? hw.memory_bandwidth is already in bytes per second"),
+            (bw / (n * e), "除反了：时间 = 字节数 / 带宽", "upside down: time = bytes / bandwidth"),
+            (2 * n / hw.peak_flops(dtype), "这是计算时间（2 FLOPs × 参数量 / 峰值算力），不是读权重的时间：字节数 / 带宽",
+             "that is the compute time (2 FLOPs x parameters / peak): the read time is bytes / bandwidth"),
+        ]
+        _match_hint(got, want, hints, label, "weight_read_time", _fmt_time)
+        fail(None, f"[{label}] weight_read_time 得到 {_fmt_time(got)}，应为 {_fmt_time(want)}"
+                   f"（{n:.3g} 个参数 × {e} 字节 / {bw / 1e9:.4g} GB/s）",
+             f"[{label}] weight_read_time: got {_fmt_time(got)}, expected {_fmt_time(want)} "
+             f"({n:.3g} parameters x {e} bytes / {bw / 1e9:.4g} GB/s)")
+    a100 = H.weight_read_time(H.A100_SXM_80GB, H.LLAMA_7B, "fp16")
+    print(f"✓ weight_read_time 通过：A100 上 7B fp16 每步读权重 {a100 * 1e3:.2f} ms（本章的 6.9 ms），"
+          f"{len(_lab03_cases())} 组硬件/模型/dtype 都对 "
+          f"/ weight_read_time passed: {a100 * 1e3:.2f} ms per step for 7B fp16 on an A100")
+
+
+def check_per_request_compute_time(per_request_compute_time):
+    """``per_request_compute_time(hw, model, dtype)`` = 2 x parameters / peak FLOP/s of dtype, in seconds."""
+    from tinyserve import hardware as H
+    for label, hw, model, dtype in _lab03_cases():
+        got = _as_number(_call3(per_request_compute_time, "per_request_compute_time", label, hw, model, dtype),
+                         "per_request_compute_time", label)
+        want = H.per_request_compute_time(hw, model, dtype)
+        if abs(got - want) <= 5e-4 * want:      # float rounding, and the chapter's rounded 153
+            continue
+        n, peak = model.num_parameters, hw.peak_flops(dtype)
+        hints = [
+            (n / peak, "少了因子 2：每个参数对一个新 token 做一次乘法和一次加法，是 2 FLOPs",
+             "a factor 2 is missing: each parameter does a multiply and an add per new token, 2 FLOPs"),
+            (want * 1e3, "这是毫秒，不是秒：返回秒", "that is in milliseconds: return seconds"),
+            (want * 1e6, "这是微秒，不是秒：返回秒（不要乘 1e6）",
+             "that is in microseconds: return seconds (do not multiply by 1e6)"),
+            (2 * n / hw.flops.get("fp16", float("nan")),
+             f"总是用了 fp16 的峰值：要用这个 dtype 的峰值 hw.peak_flops(dtype)（{dtype}）",
+             f"you always used the fp16 peak: use the peak of this dtype, hw.peak_flops(dtype) ({dtype})"),
+            (2 * n * H.bytes_per_element(dtype) / peak, "计算量与字节数无关：每个参数 2 FLOPs，不要乘每个参数的字节数",
+             "FLOPs do not depend on bytes: 2 FLOPs per parameter, do not multiply by bytes per parameter"),
+            (peak / (2 * n), "除反了：时间 = FLOPs / 峰值算力", "upside down: time = FLOPs / peak FLOP/s"),
+        ]
+        _match_hint(got, want, hints, label, "per_request_compute_time", _fmt_time)
+        fail(None, f"[{label}] per_request_compute_time 得到 {_fmt_time(got)}，应为 {_fmt_time(want)}"
+                   f"（2 × {n:.3g} FLOPs / {peak / 1e12:.4g} TFLOP/s）",
+             f"[{label}] per_request_compute_time: got {_fmt_time(got)}, expected {_fmt_time(want)} "
+             f"(2 x {n:.3g} FLOPs / {peak / 1e12:.4g} TFLOP/s)")
+    a100 = H.per_request_compute_time(H.A100_SXM_80GB, H.LLAMA_7B, "fp16")
+    print(f"✓ per_request_compute_time 通过：A100 上 7B fp16 每多一条请求多算 {a100 * 1e6:.1f} µs（本章的 45 µs）"
+          f" / per_request_compute_time passed: {a100 * 1e6:.1f} µs per extra request for 7B fp16 on an A100")
+
+
+def check_crossover(crossover_batch):
+    """``crossover_batch(hw, model, dtype)`` = weight_read_time / per_request_compute_time
+    (153 for the chapter's A100 + 7B fp16, about 206 on an H200)."""
+    from tinyserve import hardware as H
+    for label, hw, model, dtype in _lab03_cases():
+        got = _as_number(_call3(crossover_batch, "crossover_batch", label, hw, model, dtype),
+                         "crossover_batch", label)
+        want = H.crossover_batch(hw, model, dtype)
+        if abs(got - want) <= 5e-4 * want:      # float rounding, and the chapter's rounded 153
+            continue
+        e = H.bytes_per_element(dtype)
+        ridge = hw.ridge_point(dtype)          # peak / bandwidth = crossover x 2 / e
+        fmt = lambda x: f"{x:.4g}"             # noqa: E731
+        hints = [
+            (ridge / 2, "是不是把每个参数的字节数算成了 1？交叉点 = 峰值/带宽 × 每参数字节数 / 2",
+             "did you count 1 byte per parameter? crossover = peak / bandwidth x bytes per parameter / 2"),
+            (ridge * 2 / 2 if e != 2 else None,
+             f"每个参数固定算了 2 字节（或直接返回了算力带宽比 peak/bandwidth）？两者只在 2 字节的 dtype 下相等；{dtype} 每个参数 {e} 字节",
+             f"did you hard-code 2 bytes per parameter (or return the ridge point peak / bandwidth)? They agree only "
+             f"for 2-byte dtypes; {dtype} has {e}"),
+            (want * 2, "大了一倍：是不是每个参数的计算量只算了 1 FLOP（应为 2：一次乘、一次加）？"
+                       "或者每个参数的字节数算多了一倍？",
+             "twice too large: did you count 1 FLOP per parameter (it is 2: a multiply and an add), "
+             "or twice the bytes per parameter?"),
+            (ridge * 4 / 2 if e != 4 else None,
+             f"每个参数固定算了 4 字节？{dtype} 每个参数 {e} 字节：用 hardware.bytes_per_element(dtype)",
+             f"did you hard-code 4 bytes per parameter? {dtype} has {e}: use hardware.bytes_per_element(dtype)"),
+            (want / 2, "小了一半：是不是每个参数的字节数算少了一半，或者算成了 4 FLOPs？",
+             "half of it: too few bytes per parameter, or 4 FLOPs per parameter?"),
+            (1 / want, "除反了：交叉点 = 读权重的时间 / 每条请求的计算时间",
+             "upside down: crossover = weight read time / compute time per request"),
+            (want * 1e3, "单位不一致：两个时间要都用秒", "mixed units: both times must be in seconds"),
+            (want / 1e3, "单位不一致：两个时间要都用秒", "mixed units: both times must be in seconds"),
+            (want * 1e6, "单位不一致：两个时间要都用秒", "mixed units: both times must be in seconds"),
+            (want / 1e6, "单位不一致：两个时间要都用秒", "mixed units: both times must be in seconds"),
+        ]
+        if abs(got - 153.0) < 1.5 and abs(want - 153.0) > 1.5:
+            fail(None, f"[{label}] crossover_batch 得到 {got:.4g}，应为 {want:.4g}：153 只对本章的 A100 + fp16 成立，"
+                       "要从 hw、model、dtype 算出来，不要写死",
+                 f"[{label}] crossover_batch: got {got:.4g}, expected {want:.4g}: 153 holds only for the chapter's "
+                 "A100 in fp16; compute it from hw, model and dtype instead of hard-coding it")
+        _match_hint(got, want, hints, label, "crossover_batch", fmt)
+        fail(None, f"[{label}] crossover_batch 得到 {got:.4g}，应为 {want:.4g}"
+                   f"（= 读权重的时间 / 每条请求的计算时间；先让前面两个检查通过）",
+             f"[{label}] crossover_batch: got {got:.4g}, expected {want:.4g} "
+             "(= weight read time / compute time per request; make the two checks above pass first)")
+    a100 = H.crossover_batch(H.A100_SXM_80GB, H.LLAMA_7B, "fp16")
+    h200 = H.crossover_batch(H.H200, H.LLAMA_7B, "fp16")
+    fp32 = H.crossover_batch(H.A100_SXM_80GB, H.LLAMA_7B, "fp32")
+    print(f"✓ crossover_batch 通过：A100 + 7B fp16 为 {a100:.0f}（本章的 153），H200 约 {h200:.0f}；"
+          f"A100 fp32 只有 {fp32:.1f}（fp32 没有张量核心，峰值低得多，字节却多一倍）\n"
+          f"  / crossover_batch passed: {a100:.0f} for 7B fp16 on an A100 (the chapter's 153), about {h200:.0f} "
+          f"on an H200, {fp32:.1f} in fp32 on an A100")
+
+
+# -- find_knee --
+
+def _hinge_curve(b, knee, floor):
+    import numpy as np
+    return floor * np.maximum(1.0, np.asarray(b, dtype=float) / knee)
+
+
+def _knee_cases():
+    """(label, batch_sizes, step_times, true knee or None for flat), seeded."""
+    import numpy as np
+    rng = np.random.default_rng(2024)
+    geo = np.unique(np.round(np.geomspace(1, 1024, 24)))
+    pow2 = 2.0 ** np.arange(0, 11)
+    cases = [("clean, knee 153", geo, _hinge_curve(geo, 153, 6.9e-3), 153.0)]
+    for knee, b, noise in ((16, geo, 0.05), (153, geo, 0.05), (184, geo, 0.05),
+                           (153, pow2, 0.03), (40, np.arange(4, 129, 4.0), 0.05)):
+        for rep in range(2):
+            t = _hinge_curve(b, knee, 6.9e-3) * (1 + noise * rng.standard_normal(b.size))
+            cases.append((f"knee {knee}, {noise:.0%} noise, {b.size} points ({rep + 1})", b, t, float(knee)))
+    for b in (pow2[:7], geo[:12]):
+        for rep in range(2):
+            t = 0.03 * (1 + 0.03 * rng.standard_normal(b.size))
+            cases.append((f"flat, 3% noise, B = 1..{b.max():.0f} ({rep + 1})", b, t, None))
+    return cases
+
+
+def _best_hinge_at(b, t, knee):
+    """Weighted (relative-error) least-squares floor and slope for a given knee, and the residual."""
+    import numpy as np
+    x = np.maximum(b - knee, 0.0)
+    a = np.stack([np.ones_like(b), x], 1) / t[:, None]
+    coef, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    floor, slope = float(coef[0]), max(float(coef[1]), 0.0)
+    resid = float((((t - floor - slope * x) / t) ** 2).sum())
+    return floor, slope, resid
+
+
+def _line_only_knees(b, t):
+    """What typical 'one straight line' attempts return."""
+    import numpy as np
+    s, a = np.polyfit(b, t, 1)
+    out = []
+    if s > 0:
+        out += [(t.min() - a) / s, (t[0] - a) / s, -a / s, (t[:3].mean() - a) / s]
+    return [float(v) for v in out]
+
+
+def check_find_knee(find_knee):
+    """``find_knee(batch_sizes, step_times) -> float`` on seeded noisy flat-then-linear curves,
+    flat curves (the convention: return max(batch_sizes)) and bad input (ValueError)."""
+    import numpy as np
+
+    from tinyserve import hardware as H
+
+    _call3(find_knee, "find_knee", "probe", [1.0, 2.0, 4.0, 8.0], [1.0, 1.0, 2.0, 4.0])
+    worst = 0.0
+    for label, b, t, true in _knee_cases():
+        got = _as_number(_call3(find_knee, "find_knee", label, b.copy(), t.copy()), "find_knee", label)
+        ref = H.fit_knee(b, t)
+        b_min, b_max = float(b.min()), float(b.max())
+        if true is None:
+            assert ref.flat, f"internal: {label} should be flat for hardware.fit_knee"
+            if abs(got - b_max) <= 1e-9 * b_max:
+                continue
+            fail(None, f"[{label}] 这条曲线是平的（测到的最大批 {b_max:.0f} 时还没拐），应返回 max(batch_sizes) = {b_max:.0f}，"
+                       f"你返回了 {got:.4g}。拟合出的折线在测量范围内上升不到地板的 10% 时，就当作没有拐点",
+                 f"[{label}] this curve is flat (no knee up to the largest batch, {b_max:.0f}): return "
+                 f"max(batch_sizes) = {b_max:.0f}, got {got:.4g}. When the fitted hinge rises by less than "
+                 "10% of the floor over the measured range, there is no knee in it")
+        lo, hi = 0.7 * true, 1.3 * true
+        ok = lo <= got <= hi or (not ref.flat and 0.75 * ref.knee <= got <= 1.25 * ref.knee)
+        if ok:
+            worst = max(worst, abs(got / true - 1))
+            continue
+        floor_ref = float(np.median(t[b <= true])) if (b <= true).any() else float(t.min())
+        if got < 1 and got < b_min and abs(got - floor_ref) <= 0.5 * floor_ref:
+            fail(None, f"[{label}] 你返回了 {got:.4g}，像是地板的步时（秒），不是批大小。要返回拐点所在的批大小（这里约 {true:.0f}）",
+                 f"[{label}] got {got:.4g}, which looks like the floor step time (seconds), not a batch size. "
+                 f"Return the batch size at the knee (about {true:.0f} here)")
+        if got < 1 and got > 0:
+            fail(None, f"[{label}] 你返回了 {got:.4g}：这是斜率或时间吗？要返回拐点所在的批大小（这里约 {true:.0f}）",
+                 f"[{label}] got {got:.4g}: a slope or a time? Return the batch size at the knee (about {true:.0f} here)")
+        if not (b_min - 1e-9 <= got <= b_max + 1e-9):
+            line = any(abs(got - v) <= 1e-6 * max(abs(v), 1) for v in _line_only_knees(b, t))
+            extra_zh = "看起来是对所有点拟合了一条直线再求交点：" if line else ""
+            extra_en = "it looks like one straight line fitted through every point: " if line else ""
+            fail(None, f"[{label}] 你返回了 {got:.4g}，不在测量范围 [{b_min:.0f}, {b_max:.0f}] 内（真实拐点约 {true:.0f}）。"
+                       f"{extra_zh}候选拐点只在测到的批大小范围里取，每个候选都分别拟合“平的一段”和“斜的一段”",
+                 f"[{label}] got {got:.4g}, outside the measured range [{b_min:.0f}, {b_max:.0f}] (the knee is near "
+                 f"{true:.0f}). {extra_en}take candidate knees within the measured batch sizes and fit both the "
+                 "flat part and the rising part for each")
+        if any(abs(got - v) <= 1e-6 * max(abs(v), 1) for v in _line_only_knees(b, t)):
+            fail(None, f"[{label}] 你返回了 {got:.4g}（真实拐点约 {true:.0f}）：这是一条直线穿过所有点得到的。"
+                       "一条直线描述不了“先平后升”：对每个候选拐点 k 拟合 t = floor + slope·max(B − k, 0)，取残差最小的 k",
+                 f"[{label}] got {got:.4g} (the knee is near {true:.0f}): that comes from one straight line through "
+                 "every point. A line cannot be flat and then rise: for each candidate knee k fit "
+                 "t = floor + slope * max(B - k, 0) and keep the k with the smallest residual")
+        _, _, r_got = _best_hinge_at(b, t, got)
+        _, _, r_ref = _best_hinge_at(b, t, ref.knee)
+        if abs(got - b_max) <= 1e-9 * b_max:
+            fail(None, f"[{label}] 你返回了 max(batch_sizes) = {b_max:.0f}，当成了平的曲线，但它在 {true:.0f} 附近明显拐了。"
+                       "只有拟合出的折线在测量范围内上升不到地板的 10% 时才算平",
+                 f"[{label}] got max(batch_sizes) = {b_max:.0f}, i.e. a flat curve, but it clearly bends near "
+                 f"{true:.0f}. Call it flat only when the fitted hinge rises by less than 10% of the floor")
+        if r_got > 1.5 * r_ref:
+            fail(None, f"[{label}] 你返回了 {got:.4g}，真实拐点约 {true:.0f}（参考实现 {ref.knee:.4g}）。在你的拐点上，"
+                       f"最好的“先平后升”折线的相对残差是参考拐点处的 {r_got / r_ref:.1f} 倍：要试足够多的候选拐点"
+                       "（例如 np.geomspace(B_min, B_max, 500)），每个都用最小二乘求 floor 和 slope，保留残差最小的",
+                 f"[{label}] got {got:.4g}; the knee is near {true:.0f} (reference {ref.knee:.4g}). At your knee the "
+                 f"best flat-then-linear fit has {r_got / r_ref:.1f}x the relative residual of the reference: try "
+                 "enough candidate knees (e.g. np.geomspace(B_min, B_max, 500)), fit floor and slope by least "
+                 "squares for each, keep the smallest residual")
+        fail(None, f"[{label}] 你返回了 {got:.4g}，真实拐点约 {true:.0f}（参考实现 {ref.knee:.4g}），超出 ±30%。"
+                   "最小化相对误差（每行除以 t）：否则后面又高又吵的点会把拐点拉偏",
+             f"[{label}] got {got:.4g}; the knee is near {true:.0f} (reference {ref.knee:.4g}), off by more than "
+             "30%. Minimise the relative error (divide each row by t): otherwise the tall, noisy tail drags the knee")
+    bad = [
+        ("长度不同 / lengths differ", [1, 2, 4, 8], [1.0, 1.0, 2.0]),
+        ("少于 3 个点 / fewer than 3 points", [1, 2], [1.0, 2.0]),
+        ("批大小为 0 / a batch size of 0", [0, 2, 4, 8], [1.0, 1.0, 2.0, 4.0]),
+        ("步时为负 / a negative step time", [1, 2, 4, 8], [1.0, -1.0, 2.0, 4.0]),
+        ("含 NaN / a NaN", [1, 2, 4, 8], [1.0, float("nan"), 2.0, 4.0]),
+    ]
+    for what, b, t in bad:
+        try:
+            find_knee(b, t)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            fail(None, f"输入有问题（{what}）时应抛出 ValueError，你抛出了 {type(e).__name__}: {e}",
+                 f"bad input ({what}) must raise ValueError, got {type(e).__name__}: {e}")
+        fail(None, f"输入有问题（{what}）时应抛出 ValueError，你的函数却返回了结果。先检查输入再拟合",
+             f"bad input ({what}) must raise ValueError, but your function returned. Validate before fitting")
+    n = len(_knee_cases())
+    print(f"✓ find_knee 通过：{n} 条合成曲线（拐点 16、40、153、184，噪声 3–5%，以及平的曲线），"
+          f"最大相对误差 {worst:.0%}；坏输入都抛出 ValueError "
+          f"/ find_knee passed {n} synthetic curves (worst relative error {worst:.0%}) and rejects bad input")
+
+
+# -- the student's own machine --
+
+def _sweep_matmul_stack(batch_sizes, hidden, layers, budget_s, device="cpu"):
+    """Median step time of ``layers`` chained [B, hidden] @ [hidden, hidden] fp32 matmuls, per batch size.
+
+    One warm-up step per batch size tells how long a round takes; the largest
+    batch sizes are dropped (down to 8) if three rounds would not fit
+    ``budget_s``. The batch sizes are then timed round-robin, 3 to 7 rounds, so
+    that a burst of other work on the machine spreads over all of them instead
+    of bending one. Returns (batch sizes kept, median times).
+    """
+    import statistics
+    import time
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(hidden, hidden, generator=gen).div_(hidden ** 0.5).to(device) for _ in range(layers)]
+    xs = {b: torch.randn(b, hidden, generator=gen).to(device) for b in batch_sizes}
+
+    def step(x):
+        t0 = time.perf_counter()
+        for w in weights:
+            x = x @ w
+        return time.perf_counter() - t0
+
+    start = time.perf_counter()
+    step(xs[batch_sizes[0]])                      # allocator, thread pool
+    warm = {b: step(xs[b]) for b in batch_sizes}  # also the cost of one round
+    kept = list(batch_sizes)
+    left = lambda: budget_s - (time.perf_counter() - start)             # noqa: E731
+    while len(kept) > 8 and 3 * sum(warm[b] for b in kept) > left():
+        kept.pop()
+    rounds = int(min(7, max(3, left() / max(sum(warm[b] for b in kept), 1e-9))))
+    samples = {b: [] for b in kept}
+    for _ in range(rounds):
+        for b in kept:
+            samples[b].append(step(xs[b]))
+    return kept, [statistics.median(samples[b]) for b in kept]
+
+
+def check_my_machine(find_knee, crossover_batch, plot=True, budget_s: float = 10.0):
+    """Measure this CPU's ceilings and the step time of a matmul stack against batch size; fit the
+    knee with the student's ``find_knee``; compare it with the student's ``crossover_batch`` on the
+    measured ceilings. Asserts only what always holds (a knee inside the sweep, consistent arithmetic);
+    returns the data for the discussion."""
+    import torch
+
+    from tinyserve import hardware as H
+
+    # Fail fast, before measuring anything, when a function is still a stub.
+    _call3(crossover_batch, "crossover_batch", "probe", H.A100_SXM_80GB, H.LLAMA_7B, "fp16")
+    _call3(find_knee, "find_knee", "probe", [1.0, 2.0, 4.0, 8.0], [1.0, 1.0, 2.0, 4.0])
+
+    # One thread for the ceilings and the sweep alike: the ratio stays that of one core, and a
+    # machine shared with other work (a laptop, CI) does not stall on a thread that lost its core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _my_machine(find_knee, crossover_batch, plot, budget_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _my_machine(find_knee, crossover_batch, plot, budget_s):
+    import time
+
+    import numpy as np
+
+    from tinyserve import hardware as H
+
+    start = time.perf_counter()
+    spec = H.measure_device("cpu", seconds=min(1.5, budget_s / 6), copy_mib=128, matmul_size=1024)
+    hidden, layers = 1024, 32                        # 32 x 4 MiB = 128 MiB of fp32 weights: past any cache
+    model = H.ModelSpec(f"{layers} x [{hidden}x{hidden}] matmuls", float(layers * hidden * hidden),
+                        hidden_size=hidden, num_layers=layers, num_kv_heads=1, head_dim=hidden, vocab_size=0)
+    floor_s = H.weight_read_time(spec, model, "fp32")
+    per_s = H.per_request_compute_time(spec, model, "fp32")
+    # Sweep to about 8x the predicted crossover (at least 32, at most 256).
+    top = min(256, max(32, 8 * floor_s / per_s))
+    batch_sizes = [b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b <= top]
+    left = max(budget_s - (time.perf_counter() - start), 2.0)
+    batch_sizes, step_times = _sweep_matmul_stack(batch_sizes, hidden, layers, left)
+    b = np.asarray(batch_sizes, dtype=float)
+    t = np.asarray(step_times, dtype=float)
+
+    knee = _as_number(_call3(find_knee, "find_knee", "your machine", b.copy(), t.copy()), "find_knee", "your machine")
+    predicted = _as_number(_call3(crossover_batch, "crossover_batch", "your machine", spec, model, "fp32"),
+                           "crossover_batch", "your machine")
+    want = H.crossover_batch(spec, model, "fp32")
+    if abs(predicted - want) > 1e-6 * want:
+        fail(None, f"在测出的 {spec.name} 上，crossover_batch 得到 {predicted:.4g}，应为 {want:.4g}",
+             f"on the measured {spec.name}, crossover_batch gave {predicted:.4g}, expected {want:.4g}")
+    if not (b.min() - 1e-9 <= knee <= b.max() + 1e-9):
+        fail(None, f"find_knee 返回了 {knee:.4g}，不在扫描范围 [{b.min():.0f}, {b.max():.0f}] 内",
+             f"find_knee returned {knee:.4g}, outside the sweep [{b.min():.0f}, {b.max():.0f}]")
+    floor, slope, _ = _best_hinge_at(b, t, knee)
+    ref = H.fit_knee(b, t)
+    flat = abs(knee - b.max()) <= 1e-9 * b.max()
+
+    if plot:
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+        fig, ax = plt.subplots(figsize=(7, 3.6), dpi=90)
+        ax.plot(b, t * 1e3, "o", color="C0", label="measured step time")
+        bb = np.geomspace(b.min(), b.max(), 200)
+        ax.plot(bb, (floor + slope * np.maximum(bb - knee, 0)) * 1e3, "-", color="C0", alpha=0.7,
+                label=f"your hinge fit (knee {knee:.0f})")
+        roof = [H.decode_step_time(spec, model, x, "fp32") for x in bb]
+        ax.plot(bb, np.asarray(roof) * 1e3, "--", color="C1", label="roofline from measured ceilings")
+        ax.axvline(knee, color="C0", ls=":", lw=1)
+        ax.axvline(predicted, color="C1", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_ylim(0, 1.15 * max(t.max(), max(roof)) * 1e3)
+        top = ax.get_ylim()[1]
+        ax.annotate(f"your knee {knee:.0f}", (knee, top), xytext=(3, -12),
+                    textcoords="offset points", color="C0", fontsize=8)
+        ax.annotate(f"predicted crossover {predicted:.0f}", (predicted, top), xytext=(3, -24),
+                    textcoords="offset points", color="C1", fontsize=8)
+        ax.set_xlabel("batch size B (rows per matmul)")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"{model.name}, fp32, one thread of this CPU", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        plt.show()
+
+    ratio = knee / predicted
+    print(f"测出的上限 / measured ceilings: 带宽 bandwidth {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+          f"fp32 峰值 peak {spec.flops['fp32'] / 1e9:.0f} GFLOP/s")
+    print(f"B=1 步时 / step at B=1: {t[0] * 1e3:.2f} ms，读权重的下限 / weight-read floor "
+          f"{floor_s * 1e3:.2f} ms（{t[0] / floor_s:.2f}×）")
+    print(f"预测的交叉点 / predicted crossover: {predicted:.1f}；你拟合的拐点 / your knee: {knee:.1f}"
+          + ("（平的：拐点在扫描范围之外 / flat: beyond the sweep）" if flat else "")
+          + f"；参考 fit_knee / reference: {ref.knee:.1f}；拐点/预测 = {ratio:.2f}")
+    print(f"✓ 在你的机器上测完了：{len(batch_sizes)} 个批大小，用时 {time.perf_counter() - start:.1f} s "
+          f"/ measured your machine: {len(batch_sizes)} batch sizes")
+    return {"spec": spec, "model": model, "batch_sizes": batch_sizes, "step_times": step_times,
+            "knee": knee, "predicted": predicted, "reference_knee": ref.knee, "floor": floor, "slope": slope,
+            "weight_read_floor": floor_s}
