@@ -359,9 +359,14 @@ def main(argv=None) -> None:
     kp.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                     help="CPU: dtype of the add+RMSNorm tensors (default bfloat16)")
     kp.add_argument("--cpu", action="store_true", help="run the CPU benchmark even with a GPU")
+    from tinyserve import crossover
+    cp = sub.add_parser("crossover", help="decode step time vs batch size: the roofline knee")
+    crossover.add_arguments(cp)
     args = parser.parse_args(argv)
     if args.bench == "kernels":
         kernels_main(args)
+    elif args.bench == "crossover":
+        crossover.main(args)
 
 
 if __name__ == "__main__":

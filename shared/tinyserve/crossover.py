@@ -1,0 +1,381 @@
+"""Measure the batch-size crossover: ``python -m tinyserve.bench crossover [--out FILE]``.
+
+The chapter section 「批多大才划算」 predicts that a decode step costs a flat
+weight read until the batch reaches ``peak FLOP/s / bandwidth x bytes per
+parameter / 2`` requests (153 for a 7B fp16 model on an A100), and grows
+linearly after. This module checks that on the machine it runs on:
+
+1. measure the two ceilings (``hardware.measure_device``): copy bandwidth and
+   matmul peak;
+2. sweep the batch size (log-spaced; GPU 1...1024, CPU 1...256) for
+
+   * a **GEMM stack**: the four weight matrices of a Llama layer (fused QKV,
+     output, fused gate/up, down), repeated for several layers, each step
+     multiplying a ``[B, in]`` activation by every weight once. On a GPU the
+     layers have 7B shapes (hidden 4096, MLP 11008, 32 layers, fp16: 13 GB),
+     replayed as one CUDA graph so kernel launches do not count. On a CPU they
+     are scaled down to hidden 1024 (MLP 2752) in fp32, with enough layers for
+     about 1 GiB of weights: 30x a 32 MiB last-level cache, so every step
+     streams the weights from DRAM, while each matrix (at most 22 MiB) still
+     fits the cache that the BLAS library packs it through. (A CPU BLAS copies
+     and repacks the weight of a thin GEMM; with 7B-sized 360 MB matrices that
+     repacking itself goes to DRAM and triples the step time at B >= 2.)
+   * **tinyserve's own model**: pure decode steps of the ``cpu-bench`` preset
+     through the engine (as notebook 01 does), timed from ``engine.step_stats``;
+
+3. fit a flat-then-linear hinge to each curve (``hardware.fit_knee``; on a CPU
+   from B = 2, see ``fit_min_batch``) and print
+   the measured knee next to the predicted crossover, and the B=1 step next to
+   the weight-read floor ``weight bytes / copy bandwidth``.
+
+``--out`` writes everything (machine, date, versions, measured ceilings, curves,
+fits) as JSON; notebook 04 plots such a file when it finds one in
+``tinyserve/data/`` (``bench_crossover_<gpu>.json``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tinyserve import hardware as hwm
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MLP_RATIO = 11008 / 4096          # Llama-7B's intermediate / hidden
+REPORT_KEYS = ("benchmark", "device", "machine", "date", "versions", "device_spec", "curves", "fits")
+
+
+# ---- predictions ---------------------------------------------------------------------------
+
+def predicted_crossover(hw: hwm.HardwareSpec, dtype: str) -> float:
+    """Batch at which compute catches the weight read: peak / bandwidth x bytes per param / 2.
+
+    A step reads ``bytes_per_param`` bytes and does 2 FLOPs per parameter and
+    request, so the ridge point (FLOPs per byte) is reached at that batch: the
+    ridge point itself in fp16/bf16, twice it in fp32.
+    """
+    return hw.peak_flops(dtype) / hw.memory_bandwidth * hwm.bytes_per_element(dtype) / 2
+
+
+def weight_read_floor(hw: hwm.HardwareSpec, weight_bytes: float) -> float:
+    """Seconds to stream ``weight_bytes`` once at the measured bandwidth."""
+    return weight_bytes / hw.memory_bandwidth
+
+
+def default_batch_sizes(device: str, max_batch: int | None = None) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, ... (powers of 2 and 1.5x them) up to 1024 (GPU) or 256 (CPU)."""
+    top = max_batch or (1024 if device == "cuda" else 256)
+    sizes, p = [], 1
+    while p <= top:
+        sizes += [p] + ([p * 3 // 2] if p >= 2 and p * 3 // 2 <= top else [])
+        p *= 2
+    return sorted(set(sizes))
+
+
+# ---- (a) a stack of GEMMs shaped like Llama layers -----------------------------------------
+
+def layer_shapes(hidden: int) -> list[tuple[int, int]]:
+    """(in, out) of one layer's weights: fused QKV, output, fused gate/up, down."""
+    inter = int(round(hidden * MLP_RATIO))
+    return [(hidden, 3 * hidden), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+
+
+def stack_config(device: str, weight_gib: float | None = None) -> dict:
+    """Default GEMM stack: 7B layers in fp16 on a GPU, hidden-1024 fp32 layers (~1 GiB) on a CPU."""
+    if device == "cuda":
+        dtype = "fp16"
+        hidden, layers = 4096, 32
+        if weight_gib:
+            per_layer = sum(a * b for a, b in layer_shapes(hidden)) * 2
+            layers = max(1, round(weight_gib * 2**30 / per_layer))
+        return {"hidden": hidden, "num_layers": layers, "dtype": dtype}
+    hidden = 1024
+    per_layer = sum(a * b for a, b in layer_shapes(hidden)) * 4
+    layers = max(1, round((weight_gib or 1.0) * 2**30 / per_layer))
+    return {"hidden": hidden, "num_layers": layers, "dtype": "fp32"}
+
+
+class GemmStack:
+    """``num_layers`` Llama-shaped layers of weights; ``step(B)`` multiplies a B-row
+    activation by every weight once (no attention, no elementwise ops).
+
+    Weights are stored ``[in, out]``; inputs and outputs are one buffer per
+    width, allocated for the largest batch and sliced, so a step is GEMMs and
+    nothing else.
+    """
+
+    def __init__(self, hidden: int, num_layers: int, dtype: str = "fp32", device: str = "cpu",
+                 seed: int = 0):
+        self.hidden, self.num_layers, self.dtype, self.device = hidden, num_layers, dtype, device
+        gen = torch.Generator(device=device).manual_seed(seed)   # drawn where they live: fast on a GPU
+        tdtype = TORCH_DTYPES[dtype]
+        self.shapes = layer_shapes(hidden) * num_layers
+        self.weights = [torch.randn(i, o, generator=gen, device=device, dtype=tdtype).mul_(i**-0.5)
+                        for i, o in self.shapes]
+        self._ins: dict[int, torch.Tensor] = {}
+        self._outs: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(i * o for i, o in self.shapes)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.weights)
+
+    def reserve(self, max_batch: int) -> None:
+        """Allocate activation buffers for batches up to ``max_batch``."""
+        tdtype = TORCH_DTYPES[self.dtype]
+        self._ins = {i: torch.randn(max_batch, i, device=self.device).to(tdtype) for i, _ in self.shapes}
+        self._outs = {o: torch.empty(max_batch, o, device=self.device, dtype=tdtype) for _, o in self.shapes}
+
+    def release(self) -> None:
+        self._ins, self._outs = {}, {}
+
+    def step_fn(self, batch: int):
+        if not self._ins or next(iter(self._ins.values())).shape[0] < batch:
+            self.reserve(batch)
+        pairs = [(self._ins[w.shape[0]][:batch], w, self._outs[w.shape[1]][:batch]) for w in self.weights]
+
+        def step():
+            for x, w, out in pairs:
+                torch.mm(x, w, out=out)
+        return step
+
+
+def _gpu_time(fn, repeats: int, use_graph: bool = True) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events), replayed as a CUDA graph when possible."""
+    run = fn
+    if use_graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()                                             # warm-up outside the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except Exception:                                        # noqa: BLE001 - fall back to eager
+            run = fn
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def sweep_gemm_stack(stack: GemmStack, batch_sizes, repeats: int = 3) -> list[float]:
+    """Seconds per step of ``stack`` at each batch size.
+
+    GPU: median of CUDA-event timings, batch size after batch size. CPU: the
+    sweep runs ``repeats`` rounds over all batch sizes and keeps each one's best
+    time, so a burst of load from another process spoils one point of a round,
+    not a stretch of the curve.
+    """
+    sizes = [int(b) for b in batch_sizes]
+    stack.reserve(max(sizes))
+    with torch.inference_mode():
+        if stack.device == "cuda":
+            times = [_gpu_time(stack.step_fn(b), max(repeats, 5)) for b in sizes]
+        else:
+            fns = [stack.step_fn(b) for b in sizes]
+            for fn in fns:
+                fn()                                             # warm-up
+            best = [float("inf")] * len(sizes)
+            for _ in range(max(1, repeats)):
+                for k, fn in enumerate(fns):
+                    t = time.perf_counter()
+                    fn()
+                    best[k] = min(best[k], time.perf_counter() - t)
+            times = best
+    stack.release()
+    return times
+
+
+# ---- (b) tinyserve's own model, through the engine -----------------------------------------
+
+def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_len: int = 4,
+                 seed: int = 0) -> tuple[list[float], dict]:
+    """Median seconds of pure decode steps with B running requests, from ``engine.step_stats``.
+
+    Returns the times and a description of the model (parameters and bytes read
+    per step: every weight except the embedding table, of which a step reads a few rows).
+    """
+    from tinyserve import LLM, SamplingParams
+
+    top = int(max(batch_sizes))
+    llm = LLM(model, seed=seed, max_num_seqs=top, max_num_batched_tokens=max(256, top * prompt_len),
+              max_model_len=prompt_len + steps + 8)
+    engine = llm.engine
+    read = [p for n, p in llm.model.named_parameters() if "embed_tokens" not in n]
+    info = {"model": model, "num_parameters_read": int(sum(p.numel() for p in read)),
+            "weight_bytes": int(sum(p.numel() * p.element_size() for p in read)),
+            "dtype": {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[read[0].dtype]}
+
+    def decode_step(batch: int) -> float:
+        params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request([(31 * i + 7 * j + batch) % 2000 + 10 for j in range(prompt_len)], params)
+        first = len(engine.step_stats)
+        while engine.has_unfinished_requests():
+            engine.step()
+        durations = [s.duration for s in engine.step_stats[first:]
+                     if s.num_decode_tokens == batch and s.num_prefill_tokens == 0]
+        return statistics.median(durations)
+
+    decode_step(min(4, top))                                     # warm-up
+    times = [decode_step(int(b)) for b in batch_sizes]
+    return times, info
+
+
+# ---- fits and the report -------------------------------------------------------------------
+
+def fit_min_batch(device: str) -> int:
+    """Smallest batch size the knee fit uses: 2 on a CPU, 1 on a GPU.
+
+    At B = 1 a CPU BLAS runs a matrix-vector kernel (GEMV) that streams the
+    weights at close to copy speed; from B = 2 on it runs a general GEMM that
+    repacks them first, a different and slower code path. Its point sits far
+    below the GEMM plateau and would drag the hinge to B = 1, so the fit of the
+    GEMM regime starts at 2 (B = 1 is still reported against the floor).
+    """
+    return 1 if device == "cuda" else 2
+
+
+def knee_report(batch_sizes, step_times, hw: hwm.HardwareSpec, dtype: str, weight_bytes: float,
+                min_batch: int = 1) -> dict:
+    """Hinge fit of one curve (points with B >= ``min_batch``) next to the roofline's predictions."""
+    b, t = np.asarray(batch_sizes, dtype=float), np.asarray(step_times, dtype=float)
+    keep = b >= min_batch
+    if np.unique(b[keep]).size < 3:                              # too few points left: fit them all
+        keep[:], min_batch = True, 1
+    fit = hwm.fit_knee(b[keep], t[keep])
+    floor = weight_read_floor(hw, weight_bytes)
+    pred = predicted_crossover(hw, dtype)
+    return {"knee": fit.knee, "fit_floor_s": fit.floor, "fit_slope_s": fit.slope, "flat": fit.flat,
+            "predicted_crossover": pred, "knee_over_predicted": fit.knee / pred,
+            "weight_read_floor_s": floor, "b1_time_s": float(step_times[0]),
+            "b1_over_floor": float(step_times[0]) / floor, "dtype": dtype, "fit_min_batch": min_batch}
+
+
+def spec_to_dict(hw: hwm.HardwareSpec) -> dict:
+    return asdict(hw)
+
+
+def machine_info(device: str) -> dict:
+    info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": hwm._cpu_name(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+    return info
+
+
+def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = None,
+        engine_batch_sizes=None, engine_model: str | None = "cpu-bench", repeats: int = 3,
+        engine_steps: int = 3, measure_seconds: float = 1.0, verbose: bool = True) -> dict:
+    """Measure ceilings, sweep both curves, fit them; return the report (see ``REPORT_KEYS``)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    say = print if verbose else (lambda *a, **k: None)
+    hw = hwm.measure_device(device, seconds=measure_seconds)
+    say(f"ceilings on {hw.name}: copy bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s, "
+        + ", ".join(f"{d} matmul {f / 1e12:.3f} TFLOP/s" for d, f in hw.flops.items()))
+
+    cfg = stack_config(device, weight_gib)
+    batch_sizes = list(batch_sizes or default_batch_sizes(device))
+    stack = GemmStack(cfg["hidden"], cfg["num_layers"], cfg["dtype"], device)
+    say(f"GEMM stack: {cfg['num_layers']} layers of hidden {cfg['hidden']} in {cfg['dtype']}, "
+        f"{stack.weight_bytes / 2**30:.2f} GiB of weights; batch sizes {batch_sizes[0]}..{batch_sizes[-1]}")
+    t0 = time.perf_counter()
+    stack_times = sweep_gemm_stack(stack, batch_sizes, repeats)
+    say(f"  swept in {time.perf_counter() - t0:.1f} s")
+    curves = {"gemm_stack": {"batch_sizes": batch_sizes, "step_times_s": stack_times, **cfg,
+                             "num_parameters": stack.num_parameters, "weight_bytes": stack.weight_bytes}}
+    lo = fit_min_batch(device)
+    fits = {"gemm_stack": knee_report(batch_sizes, stack_times, hw, cfg["dtype"], stack.weight_bytes, lo)}
+    del stack
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    if engine_model:
+        eb = list(engine_batch_sizes or [b for b in default_batch_sizes("cpu") if b & (b - 1) == 0])
+        t0 = time.perf_counter()
+        times, info = sweep_engine(eb, engine_model, steps=engine_steps)
+        say(f"engine ({engine_model}): swept in {time.perf_counter() - t0:.1f} s")
+        curves["engine"] = {"batch_sizes": eb, "step_times_s": times, **info}
+        fits["engine"] = knee_report(eb, times, hw, info["dtype"], info["weight_bytes"], lo)
+
+    report = {"benchmark": "crossover", "device": device, "machine": machine_info(device),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                           "numpy": np.__version__},
+              "device_spec": spec_to_dict(hw), "curves": curves, "fits": fits}
+    if verbose:
+        print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"{'curve':<12}{'dtype':<7}{'knee (fit)':>11}{'predicted':>11}{'ratio':>7}"
+          f"{'B=1 ms':>9}{'floor ms':>10}{'B=1/floor':>11}")
+    for name, f in report["fits"].items():
+        knee = f">={f['knee']:.0f}" if f["flat"] else f"{f['knee']:.1f}"
+        print(f"{name:<12}{f['dtype']:<7}{knee:>11}{f['predicted_crossover']:>11.1f}"
+              f"{f['knee_over_predicted']:>7.2f}{f['b1_time_s'] * 1e3:>9.2f}"
+              f"{f['weight_read_floor_s'] * 1e3:>10.2f}{f['b1_over_floor']:>11.2f}")
+    print("predicted = peak FLOP/s / copy bandwidth x bytes per parameter / 2; "
+          "floor = weight bytes / copy bandwidth")
+    lo = max(f.get("fit_min_batch", 1) for f in report["fits"].values())
+    if lo > 1:
+        print(f"knees fitted on B >= {lo}: at B = 1 the CPU BLAS runs a separate matrix-vector kernel")
+
+
+def write_json(report: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def load_stored(directory=None) -> list[dict]:
+    """Every ``bench_crossover_*.json`` in ``tinyserve/data`` (or ``directory``), newest name first."""
+    directory = Path(directory) if directory else Path(__file__).with_name("data")
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("bench_crossover_*.json"), reverse=True)]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", help="also write the report as JSON to this path")
+    parser.add_argument("--cpu", action="store_true", help="measure the CPU even with a GPU")
+    parser.add_argument("--max-batch", type=int, help="largest batch (default 1024 GPU, 256 CPU)")
+    parser.add_argument("--weight-gib", type=float,
+                        help="GiB of weights in the GEMM stack (default 1 on CPU; GPU: 32 7B layers)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per batch size")
+    parser.add_argument("--no-engine", action="store_true", help="skip the tinyserve model sweep")
+
+
+def main(args) -> dict:
+    device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    report = run(device, batch_sizes=default_batch_sizes(device, args.max_batch),
+                 weight_gib=args.weight_gib, repeats=args.repeats,
+                 engine_model=None if args.no_engine else "cpu-bench")
+    if args.out:
+        print(f"wrote {write_json(report, args.out)}")
+    return report

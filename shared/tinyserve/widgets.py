@@ -1,0 +1,66 @@
+"""Interactive explorers for the notebooks (ipywidgets).
+
+Each explorer wraps a plain plotting function from :mod:`tinyserve.plots`, which
+the notebook calls once with defaults first, so the executed notebook (stored
+without widget state) still shows a static figure.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from tinyserve import hardware as hwm
+from tinyserve import plots
+
+
+def crossover_calculator(measured: hwm.HardwareSpec | None = None, hardware: str = "A100_SXM_80GB",
+                         model: str = "LLAMA_7B", dtype: str = "fp16", context_len: int = 0,
+                         extra_models: dict | None = None):
+    """Hardware, model size, dtype and context length -> weight-read floor,
+    crossover batch, per-user and total tokens/s against batch size.
+
+    ``measured``: a spec from ``hardware.measure_device()``, offered as the
+    hardware choice "measured" (it only knows the dtypes it measured).
+    ``extra_models``: more ``ModelSpec``s by name (e.g. the ``cpu-bench`` preset).
+    Returns the widget: leave it as a cell's last expression to show it.
+    """
+    import ipywidgets as W
+
+    hws = dict(hwm.PRESETS)
+    if measured is not None:
+        hws["measured"] = measured
+    models = dict(hwm.MODELS, **(extra_models or {}))
+    hw_w = W.Dropdown(options=list(hws), value=hardware, description="hardware")
+    model_w = W.Dropdown(options=list(models), value=model, description="model")
+    dtype_w = W.Dropdown(options=sorted(hwm.BYTES_PER_ELEMENT), value=dtype, description="dtype")
+    ctx_w = W.IntSlider(value=context_len, min=0, max=32768, step=256, description="context",
+                        continuous_update=False)
+    summary = W.HTML()
+    out = W.Output()
+
+    def update(*_):
+        hw, spec, dt, ctx = hws[hw_w.value], models[model_w.value], dtype_w.value, ctx_w.value
+        out.clear_output(wait=True)
+        if dt not in hw.flops:
+            summary.value = f"<b>{hw.name}</b> has no peak for {dt}; known: {', '.join(sorted(hw.flops))}"
+            return
+        floor = hwm.weight_read_time(hw, spec, dt)
+        per_req = hwm.per_request_compute_time(hw, spec, dt)
+        cross = plots.crossover_with_context(hw, spec, dt, ctx)
+        text = (f"weight read (floor): <b>{floor * 1e3:.2f} ms</b> &middot; compute per request: "
+                f"<b>{per_req * 1e6:.1f} &micro;s</b> &middot; ")
+        if cross == float("inf"):
+            text += "<b>no crossover</b>: each request's KV reads cost more than its compute"
+        else:
+            per_user, total = hwm.tokens_per_second(hw, spec, max(1.0, cross), dt, ctx)
+            text += (f"crossover: <b>B = {cross:.0f}</b> &middot; there: {per_user:.0f} tok/s per user, "
+                     f"{total:.0f} tok/s in total")
+        summary.value = text
+        with out:
+            plots.crossover_explorer(hw, spec, dt, ctx)
+            plt.show()
+
+    for w in (hw_w, model_w, dtype_w, ctx_w):
+        w.observe(update, names="value")
+    update()
+    return W.VBox([W.HBox([hw_w, model_w]), W.HBox([dtype_w, ctx_w]), summary, out])

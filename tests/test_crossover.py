@@ -1,0 +1,103 @@
+"""The crossover benchmark at toy sizes: sweeps, fits, the JSON report, the prediction."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tinyserve import crossover as xo
+from tinyserve import hardware as hwm
+
+
+def test_predicted_crossover_converts_for_dtype():
+    hw = hwm.HardwareSpec("toy", flops={"fp32": 100e9, "fp16": 400e9}, memory_bandwidth=10e9,
+                          memory_size=1e9)
+    # 2 FLOPs per parameter against bytes_per_param bytes: ridge x bytes / 2
+    assert xo.predicted_crossover(hw, "fp16") == pytest.approx(40.0)
+    assert xo.predicted_crossover(hw, "fp32") == pytest.approx(20.0)
+    # the chapter's number, and agreement with hardware.crossover_batch
+    assert xo.predicted_crossover(hwm.A100_SXM_80GB, "fp16") == pytest.approx(153, abs=1)
+    for dtype in ("fp16", "fp32", "int8"):
+        assert xo.predicted_crossover(hwm.A100_SXM_80GB, dtype) == pytest.approx(
+            hwm.crossover_batch(hwm.A100_SXM_80GB, hwm.LLAMA_7B, dtype))
+    assert xo.weight_read_floor(hw, 5e9) == pytest.approx(0.5)
+
+
+def test_default_batch_sizes_are_log_spaced_and_monotone():
+    cpu, gpu = xo.default_batch_sizes("cpu"), xo.default_batch_sizes("cuda")
+    for sizes, top in ((cpu, 256), (gpu, 1024)):
+        assert sizes[0] == 1 and sizes[-1] == top
+        assert all(a < b for a, b in zip(sizes, sizes[1:]))
+        assert max(b / a for a, b in zip(sizes, sizes[1:])) <= 2
+    assert xo.default_batch_sizes("cpu", 16) == [1, 2, 3, 4, 6, 8, 12, 16]
+
+
+def test_gemm_stack_sweep_tiny():
+    stack = xo.GemmStack(hidden=64, num_layers=2)
+    assert stack.num_parameters == 2 * sum(a * b for a, b in xo.layer_shapes(64))
+    assert stack.weight_bytes == 4 * stack.num_parameters
+    sizes = [1, 2, 4, 8]
+    times = xo.sweep_gemm_stack(stack, sizes, repeats=2)
+    assert len(times) == len(sizes) and all(t > 0 for t in times)
+    assert xo.stack_config("cpu")["dtype"] == "fp32"
+    assert 0.9 < xo.stack_config("cpu")["num_layers"] * 4 * sum(
+        a * b for a, b in xo.layer_shapes(1024)) / 2**30 < 1.1
+
+
+def test_engine_sweep_tiny():
+    times, info = xo.sweep_engine([1, 2, 4], model="tiny", steps=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert info["dtype"] == "fp32" and info["weight_bytes"] == 4 * info["num_parameters_read"]
+
+
+def test_knee_report_on_synthetic_curve():
+    hw = hwm.HardwareSpec("toy", flops={"fp32": 100e9}, memory_bandwidth=10e9, memory_size=1e9)
+    b = np.array([1, 2, 4, 8, 16, 32, 64, 128])
+    weight_bytes = 4e9                                   # 0.4 s floor, 1e9 params -> 20 ms per request
+    t = np.maximum(0.4, b * 2 * 1e9 / 100e9)             # knee at 20 = predicted
+    rep = xo.knee_report(b, t, hw, "fp32", weight_bytes)
+    assert rep["predicted_crossover"] == pytest.approx(20)
+    assert rep["knee"] == pytest.approx(20, rel=0.1)
+    assert rep["b1_over_floor"] == pytest.approx(1.0)
+    assert not rep["flat"]
+
+
+def test_run_and_json_report(tmp_path, monkeypatch):
+    fake = hwm.HardwareSpec("fake cpu", flops={"fp32": 50e9}, memory_bandwidth=10e9, memory_size=1e9)
+    monkeypatch.setattr(hwm, "measure_device", lambda *a, **k: fake)
+    monkeypatch.setattr(xo, "stack_config", lambda device, gib=None: {"hidden": 64, "num_layers": 2,
+                                                                     "dtype": "fp32"})
+    report = xo.run("cpu", batch_sizes=[1, 2, 4, 8], engine_batch_sizes=[1, 2, 4, 8],
+                    engine_model="tiny", repeats=1, engine_steps=2, verbose=False)
+    path = xo.write_json(report, tmp_path / "sub" / "bench_crossover_test.json")
+    back = json.loads(path.read_text())
+    assert set(xo.REPORT_KEYS) <= set(back)
+    assert back["benchmark"] == "crossover" and back["device"] == "cpu"
+    assert "torch" in back["versions"] and back["date"]
+    assert back["device_spec"]["memory_bandwidth"] == 10e9
+    for name in ("gemm_stack", "engine"):
+        curve, fit = back["curves"][name], back["fits"][name]
+        assert len(curve["batch_sizes"]) == len(curve["step_times_s"])
+        assert {"knee", "predicted_crossover", "weight_read_floor_s", "b1_over_floor", "flat",
+                "fit_min_batch"} <= set(fit)
+        assert fit["fit_min_batch"] == 2                 # CPU: the GEMV point at B=1 is left out
+    assert xo.load_stored(tmp_path / "sub")[0]["date"] == back["date"]
+
+
+def test_plots_and_widget_smoke():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tinyserve import plots
+    left, right = plots.crossover_explorer(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16", 0)
+    assert "153" in " ".join(t.get_text() for t in left.get_legend().get_texts())
+    assert plots.crossover_with_context(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16", 0) == pytest.approx(
+        hwm.crossover_batch(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16"))
+    assert plots.crossover_with_context(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16", 4096) > 153
+    plt.close("all")
+    pytest.importorskip("ipywidgets")
+    from tinyserve import widgets
+    box = widgets.crossover_calculator()
+    assert box.children
+    plt.close("all")
