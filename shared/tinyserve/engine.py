@@ -42,13 +42,14 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, model: LlamaForServing, tokenizer: ByteBPETokenizer,
                  config: SchedulerConfig, num_kv_blocks: int, seed: int = 0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 enable_prefix_caching: bool = False):
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model: vocab_size {model.config.vocab_size} is smaller than the "
                              f"tokenizer's {tokenizer.vocab_size}")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.clock = clock
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed)
         self.requests: dict[str, Request] = {}
@@ -176,7 +177,8 @@ def request_metrics(request: Request) -> RequestMetrics:
         arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time, finished_time=request.finished_time,
         token_times=list(request.token_times), num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=len(request.output_token_ids), num_preemptions=request.num_preemptions)
+        num_output_tokens=len(request.output_token_ids), num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions)
 
 
 # ---- the offline front door ---------------------------------------------------------
@@ -229,10 +231,8 @@ class LLM:
             num_kv_blocks = max(1, min(wanted, kv_cache_memory // per_block))
         elif not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
-        # Prefix caching is accepted now (vLLM's default is on) and implemented with
-        # block hashing in the request-journey chapter.
-        self.enable_prefix_caching = enable_prefix_caching
-        self.engine = LLMEngine(self.model, tokenizer, config, num_kv_blocks, seed=seed, clock=clock)
+        self.engine = LLMEngine(self.model, tokenizer, config, num_kv_blocks, seed=seed, clock=clock,
+                                enable_prefix_caching=enable_prefix_caching)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

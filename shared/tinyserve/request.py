@@ -69,6 +69,10 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None     # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at first admission, and at every
+    # admission (a preempted request is admitted again and may hit the cache).
+    num_cached_tokens: int = 0
+    cached_tokens_per_admission: list[int] = field(default_factory=list)
 
     # Timestamps (seconds on the engine's clock).
     first_scheduled_time: float | None = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tinyserve.kv_cache import BlockManager
+from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.request import Request, RequestStatus
 
 
@@ -150,6 +150,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not bm.block_table(request.request_id) and request.num_computed_tokens == 0:
+                # A static batch's new member: reuse cached prefix blocks if they fit.
+                hits = self._prefix_hits(request)
+                if bm.num_blocks_to_claim(hits) > bm.num_free_blocks:
+                    hits = []
+                self._claim_prefix(request, hits)
             n = self._tokens_to_run(request, budget)
             if n == 0:                      # a whole prompt that does not fit this step
                 i += 1
@@ -172,19 +178,24 @@ class Scheduler:
             while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
                 index = self.policy.select(self.waiting, now)
                 request = self.waiting[index]
-                n = self._tokens_to_run(request, budget)
-                if n == 0 or not bm.can_allocate(request.request_id, n):
+                hits = self._prefix_hits(request)
+                cached = len(hits) * bm.block_size
+                n = self._tokens_to_run(request, budget, cached)
+                need = (blocks_for(cached + n, bm.block_size) - len(hits)
+                        + bm.num_blocks_to_claim(hits))
+                if n == 0 or need > bm.num_free_blocks:
                     break
                 del self.waiting[index]
                 self._admit(request)
+                self._claim_prefix(request, hits)
                 out.scheduled.append(self._schedule(request, n, now))
                 budget -= n
 
         out.num_waiting, out.num_running = len(self.waiting), len(self.running)
         return out
 
-    def _tokens_to_run(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _tokens_to_run(self, request: Request, budget: int, cached: int = 0) -> int:
+        remaining = request.num_tokens - max(request.num_computed_tokens, cached)
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
@@ -194,6 +205,21 @@ class Scheduler:
         request = self.waiting[index]
         del self.waiting[index]
         return request
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        """Cached blocks a request with nothing computed yet could start from."""
+        if request.num_computed_tokens or not self.block_manager.enable_prefix_caching:
+            return []
+        return self.block_manager.find_cached_prefix(request.all_token_ids)
+
+    def _claim_prefix(self, request: Request, hits: list[int]) -> None:
+        if not self.block_manager.enable_prefix_caching:
+            return
+        cached = self.block_manager.claim_cached_prefix(request.request_id, hits, request.num_tokens)
+        request.num_computed_tokens = cached
+        if not request.cached_tokens_per_admission:
+            request.num_cached_tokens = cached
+        request.cached_tokens_per_admission.append(cached)
 
     def _admit(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -225,6 +251,8 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                                 request.num_computed_tokens)
             if not item.samples:
                 continue
             request.output_token_ids.append(sampled[request.request_id])

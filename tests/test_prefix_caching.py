@@ -1,0 +1,152 @@
+"""Prefix caching: shared prefix blocks are reused (refcount + 1), not copied; they are
+freed only when the last user leaves, stay cached until evicted (LRU), and never
+change a single output token."""
+
+import random
+
+import pytest
+
+from tinyserve import LLM, SamplingParams
+from tinyserve.kv_cache import BlockManager
+
+
+def shared_prefix_prompts(seed, groups=3, per_group=4, prefix_len=40, vocab=2045):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+        prompts += [prefix + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+                    for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def run(prompts, **kwargs):
+    llm = LLM("tiny", seed=0, **kwargs)
+    outs = []
+    for prompt in prompts:          # one at a time, so later prompts find earlier ones cached
+        outs += llm.generate([prompt], PARAMS)
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+    return [o.token_ids for o in outs], outs, llm
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return shared_prefix_prompts(seed=4)
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    return run(prompts, enable_prefix_caching=False)[0]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(block_size=4),
+    dict(block_size=8, max_num_batched_tokens=9),
+    dict(block_size=16, enable_chunked_prefill=False),
+    dict(block_size=1, max_num_batched_tokens=17),
+], ids=str)
+def test_outputs_identical_with_and_without_prefix_caching(prompts, reference, kwargs):
+    tokens, outs, llm = run(prompts, enable_prefix_caching=True, **kwargs)
+    assert tokens == reference
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert llm.engine.block_manager.prefix_cache_hit_rate > 0
+
+
+def test_batched_generation_with_shared_prefixes(prompts, reference):
+    llm = LLM("tiny", seed=0, max_num_seqs=4, max_num_batched_tokens=48, block_size=8)
+    outs = llm.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == reference
+    assert any(o.metrics.num_cached_tokens for o in outs)
+    llm.engine.block_manager.check_integrity()
+
+
+def test_fully_cached_block_aligned_prompt_still_computes_its_last_token():
+    prompt = list(range(100, 132))                  # exactly two 16-token blocks
+    first, outs, llm = run([prompt, prompt], block_size=16)
+    assert first[0] == first[1]
+    # Only the first block can be reused: the last token (in block two) must run.
+    assert outs[1].metrics.num_cached_tokens == 16
+    alone = LLM("tiny", seed=0, enable_prefix_caching=False).generate([prompt], PARAMS)
+    assert alone[0].token_ids == first[0]
+
+
+def test_shared_block_is_reused_not_copied_and_freed_by_the_last_user():
+    llm = LLM("tiny", seed=0, block_size=4)
+    engine, bm = llm.engine, llm.engine.block_manager
+    prefix = list(range(10, 22))                    # three full blocks
+    a = engine.add_request(prefix + [1], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()                                   # prefill a: its full blocks get cached
+    b = engine.add_request(prefix + [2], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    shared = bm.block_table(a)[:3]
+    assert bm.block_table(b)[:3] == shared
+    assert all(bm.blocks[i].ref_count == 2 for i in shared)
+    while a in engine.requests:
+        engine.step()
+    assert all(bm.blocks[i].ref_count == 1 for i in shared)   # b still holds them
+    assert not any(i in bm.free_blocks for i in shared)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(bm.blocks[i].ref_count == 0 and bm.blocks[i].block_hash is not None
+               for i in shared)                    # free, but still cached
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_preempted_request_hits_the_cache_when_readmitted(prompts, reference):
+    llm = LLM("tiny", seed=0, block_size=8, num_kv_blocks=18, max_num_seqs=6)
+    engine = llm.engine
+    ids = [engine.add_request(p, PARAMS) for p in prompts]
+    requests = [engine.requests[i] for i in ids]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.block_manager.check_integrity()
+    assert [r.output_token_ids for r in requests] == reference
+    assert engine.scheduler.num_preemptions > 0
+    readmitted = [r.cached_tokens_per_admission[1:] for r in requests if r.num_preemptions]
+    assert any(hit > 0 for later in readmitted for hit in later)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_readmission_after_preemption_reuses_its_own_blocks():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(50, 63))                    # 13 tokens: 3 full blocks + 1
+    bm.allocate("r", 13)
+    bm.cache_full_blocks("r", tokens, 13)
+    table = bm.block_table("r")
+    bm.free("r")                                    # preempted
+    hits = bm.find_cached_prefix(tokens)
+    assert hits == table[:3]
+    assert bm.claim_cached_prefix("r", hits, len(tokens)) == 12
+    bm.allocate("r", 13)
+    bm.check_integrity()
+    assert bm.prefix_cache_hit_rate == pytest.approx(12 / 13)
+
+
+def test_lru_eviction_keeps_the_most_recently_freed_prefixes():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    old, new = [1, 2, 3], [7, 8, 9]
+    for rid, tokens in (("old", old), ("new", new)):
+        bm.allocate(rid, 3)
+        bm.cache_full_blocks(rid, tokens, 3)
+        bm.free(rid)
+    assert len(bm.find_cached_prefix(old)) == 1 and len(bm.find_cached_prefix(new)) == 1
+    bm.allocate("x", 4)            # takes the two least recently freed blocks: "old"'s
+    assert bm.find_cached_prefix(old) == []
+    assert len(bm.find_cached_prefix(new)) == 1
+    bm.check_integrity()
+
+
+def test_prefix_caching_off_caches_nothing():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("r", 4)
+    bm.cache_full_blocks("r", [1, 2, 3, 4, 5], 4)
+    bm.free("r")
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [] and not bm.cached
