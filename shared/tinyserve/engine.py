@@ -17,7 +17,7 @@ import torch
 from tinyserve.executor import ModelExecutor
 from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.metrics import RequestMetrics, StepStats
-from tinyserve.model import LlamaForServing, get_preset
+from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
 from tinyserve.request import Request, RequestStatus, SamplingParams
 from tinyserve.scheduler import Scheduler, SchedulerConfig
 from tinyserve.tokenizer import ByteBPETokenizer, load_default_tokenizer
@@ -288,7 +288,7 @@ def _progress(total: int, use_tqdm: bool | None):
 def load_model(model: str, seed: int) -> tuple[LlamaForServing, ByteBPETokenizer]:
     if not isinstance(model, (str, Path)):
         raise ValueError(f"model must be a preset name or a directory, got {type(model).__name__}")
-    path = Path(model)
+    path = TRAINED_MODELS.get(str(model), Path(model))
     if path.is_dir() and (path / "config.json").exists():
         net = LlamaForServing.from_pretrained(path)
         tokenizer_file = path / TOKENIZER_FILE

@@ -72,9 +72,14 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# Presets with trained weights shipped as package data (``python -m tinyserve.train``).
+TRAINED_MODELS: dict[str, Path] = {"tiny-zh": Path(__file__).parent / "data" / "tiny-zh"}
+
+
 def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"model: unknown preset {name!r}; choose one of {sorted(PRESETS)} "
+        raise ValueError(f"model: unknown preset {name!r}; choose one of "
+                         f"{sorted(PRESETS) + sorted(TRAINED_MODELS)} "
                          "or give a directory saved with save_pretrained")
     return PRESETS[name]
 
