@@ -350,3 +350,22 @@ def test_fused_triton_kernels_give_the_same_greedy_tokens(prompts, reference):
     outs = llm.generate(prompts[:4], SamplingParams(max_tokens=24, ignore_eos=True))
     assert token_ids(outs) == reference[:4]
     assert_all_blocks_free(llm)
+
+
+def test_streamed_text_adds_up_and_stages_are_timed():
+    llm = LLM("tiny", max_num_batched_tokens=8)
+    engine = llm.engine
+    rid = engine.add_request("流式输出：一个汉字是三个字节 🙂", SamplingParams(max_tokens=30))
+    pieces, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            last = out
+    assert last.request_id == rid and last.finished
+    assert "".join(pieces) == last.text == llm.tokenizer.decode(last.token_ids)
+    m = last.metrics
+    assert m.tokenize_time > 0 and m.detokenize_time > 0
+    # Chunked prefill (budget 8) then one step per further token.
+    assert sum(n for _, n in m.schedule_log) == m.num_prompt_tokens + m.num_output_tokens - 1
+    assert max(n for _, n in m.schedule_log) == 8
+    assert m.schedule_log[0][0] == pytest.approx(m.arrival_time + m.queue_time)

@@ -20,7 +20,7 @@ from tinyserve.metrics import RequestMetrics, StepStats
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
 from tinyserve.request import Request, RequestStatus, SamplingParams
 from tinyserve.scheduler import Scheduler, SchedulerConfig
-from tinyserve.tokenizer import ByteBPETokenizer, load_default_tokenizer
+from tinyserve.tokenizer import ByteBPETokenizer, StreamDetokenizer, load_default_tokenizer
 
 TOKENIZER_FILE = "tinyserve_tokenizer.json"
 Prompt = str | Sequence[int]
@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     text: str | None = None         # filled when finished
+    new_text: str = ""              # printable text added by this step (streaming)
 
 
 class LLMEngine:
@@ -53,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed)
         self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, StreamDetokenizer] = {}
         self.step_stats: list[StepStats] = []
         self._ids = itertools.count()
 
@@ -98,16 +100,21 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        ids = self.to_token_ids(prompt)
+        received = self.clock()
+        ids = self.to_token_ids(prompt)          # tokenization happens here, on the CPU
+        tokenized = self.clock()
         self.check_fits(len(ids), params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, ids, params,
-                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          arrival_time=received if arrival_time is None else arrival_time,
                           prompt=prompt if isinstance(prompt, str) else None,
                           eos_token_id=self.tokenizer.eos_token_id, priority=priority)
+        request.tokenize_time = tokenized - received
+        request.queued_time = tokenized
         self.requests[request_id] = request
+        self._detokenizers[request_id] = StreamDetokenizer(self.tokenizer)
         self.scheduler.add_request(request)
         return request_id
 
@@ -117,6 +124,7 @@ class LLMEngine:
             return False
         self.executor.release(request_id)
         del self.requests[request_id]
+        del self._detokenizers[request_id]
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -145,6 +153,7 @@ class LLMEngine:
         for request in finished:
             self.executor.release(request.request_id)
             del self.requests[request.request_id]
+            del self._detokenizers[request.request_id]
         end = self.clock()
         decode_tokens = sum(1 for s in plan.scheduled if s.is_decode)
         self.step_stats.append(StepStats(
@@ -162,6 +171,13 @@ class LLMEngine:
         if not sampled:
             return None     # a prefill chunk that produced no token yet
         done = request.is_finished
+        # Streaming detokenization: only whole characters leave, never half of one.
+        started = self.clock()
+        detokenizer = self._detokenizers[request.request_id]
+        new_text = detokenizer.push(request.output_token_ids[-1])
+        if done:
+            new_text += detokenizer.flush()
+        request.detokenize_time += self.clock() - started
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
@@ -169,7 +185,7 @@ class LLMEngine:
             new_token_ids=request.output_token_ids[-1:],
             finished=done, finish_reason=request.finish_reason,
             metrics=request_metrics(request),
-            text=self.tokenizer.decode(request.output_token_ids) if done else None)
+            text=detokenizer.text if done else None, new_text=new_text)
 
 
 def request_metrics(request: Request) -> RequestMetrics:
@@ -178,7 +194,8 @@ def request_metrics(request: Request) -> RequestMetrics:
         first_token_time=request.first_token_time, finished_time=request.finished_time,
         token_times=list(request.token_times), num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=len(request.output_token_ids), num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions)
+        num_preemptions=request.num_preemptions, tokenize_time=request.tokenize_time,
+        detokenize_time=request.detokenize_time, schedule_log=list(request.schedule_log))
 
 
 # ---- the offline front door ---------------------------------------------------------

@@ -25,6 +25,11 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    tokenize_time: float = 0.0
+    detokenize_time: float = 0.0
+    # (step start time, tokens computed) for each step that ran this request:
+    # prefill chunks first, then one token per decode step.
+    schedule_log: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:

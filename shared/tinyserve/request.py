@@ -74,7 +74,10 @@ class Request:
     num_cached_tokens: int = 0
     cached_tokens_per_admission: list[int] = field(default_factory=list)
 
-    # Timestamps (seconds on the engine's clock).
+    # Timestamps (seconds on the engine's clock) and per-stage durations.
+    tokenize_time: float = 0.0
+    queued_time: float | None = None       # entered the waiting queue
+    detokenize_time: float = 0.0           # total time spent turning its tokens into text
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
