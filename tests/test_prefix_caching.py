@@ -150,3 +150,19 @@ def test_prefix_caching_off_caches_nothing():
     bm.cache_full_blocks("r", [1, 2, 3, 4, 5], 4)
     bm.free("r")
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [] and not bm.cached
+
+
+def test_static_batch_members_waiting_for_budget_look_up_the_cache_once():
+    prompts = shared_prefix_prompts(seed=9, groups=1, per_group=4, prefix_len=24)
+    llm = LLM("tiny", seed=0, batching="static", max_num_seqs=4, block_size=8,
+              enable_chunked_prefill=False, max_num_batched_tokens=64)
+    engine = llm.engine
+    llm.generate(prompts[:1], PARAMS)                # warm the cache with the shared prefix
+    ids = [engine.add_request(p, PARAMS) for p in prompts]
+    requests = [engine.requests[i] for i in ids]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(len(r.cached_tokens_per_admission) == 1 for r in requests)
+    assert all(r.num_cached_tokens == 24 for r in requests)
+    bm = engine.block_manager
+    assert bm.num_queried_tokens == sum(len(p) for p in prompts) + len(prompts[0])

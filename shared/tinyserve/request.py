@@ -73,6 +73,7 @@ class Request:
     # admission (a preempted request is admitted again and may hit the cache).
     num_cached_tokens: int = 0
     cached_tokens_per_admission: list[int] = field(default_factory=list)
+    prefix_checked: bool = False           # looked up in the prefix cache since last admitted
 
     # Timestamps (seconds on the engine's clock) and per-stage durations.
     tokenize_time: float = 0.0

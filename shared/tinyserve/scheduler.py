@@ -150,7 +150,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not bm.block_table(request.request_id) and request.num_computed_tokens == 0:
+            if not request.prefix_checked:
                 # A static batch's new member: reuse cached prefix blocks if they fit.
                 hits = self._prefix_hits(request)
                 if bm.num_blocks_to_claim(hits) > bm.num_free_blocks:
@@ -213,6 +213,7 @@ class Scheduler:
         return self.block_manager.find_cached_prefix(request.all_token_ids)
 
     def _claim_prefix(self, request: Request, hits: list[int]) -> None:
+        request.prefix_checked = True
         if not self.block_manager.enable_prefix_caching:
             return
         cached = self.block_manager.claim_cached_prefix(request.request_id, hits, request.num_tokens)
@@ -239,6 +240,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.prefix_checked = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
