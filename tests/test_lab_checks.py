@@ -631,3 +631,210 @@ def test_check_my_machine_rejects_a_wrong_crossover_on_the_measured_machine():
 def test_lab03_chapter_figures():
     assert ref_crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(153, abs=0.5)
     assert ref_crossover_batch(H200, LLAMA_7B, "fp16") == pytest.approx(206, abs=0.5)
+
+
+# ---- Lab 04: streaming detokenizer --------------------------------------------------------
+
+import codecs  # noqa: E402
+
+from tinyserve.labs import check_pending_start, check_stream_detokenizer, check_utf8_length  # noqa: E402
+from tinyserve.tokenizer import StreamDetokenizer, _pending_start  # noqa: E402
+
+
+def ref_utf8_length(b):
+    return 1 if b < 0x80 else 2 if 0xC2 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF else 4 if 0xF0 <= b <= 0xF4 else 0
+
+
+def incremental_pending_start(data):
+    """Independent: the longest prefix Python's incremental decoder settles is what may be emitted."""
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    dec.decode(data, final=False)
+    return len(data) - len(dec.getstate()[0])
+
+
+class IncrementalDetokenizer:
+    """Independent of tinyserve.tokenizer: Python's incremental UTF-8 decoder does the work."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, token_id):
+        return self.decoder.decode(self.tokenizer.token_bytes(token_id), final=False)
+
+    def flush(self):
+        return self.decoder.decode(b"", final=True)
+
+
+class NaiveDetokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def push(self, token_id):
+        return self.tokenizer.decode([token_id])
+
+    def flush(self):
+        return ""
+
+
+class NeverFlushes(StreamDetokenizer):
+    def flush(self):
+        return ""
+
+
+class HoldsInvalidForever:
+    """Waits while strict decoding fails: right on valid text, stuck on bytes that never complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.buf = tokenizer, b""
+
+    def push(self, token_id):
+        self.buf += self.tokenizer.token_bytes(token_id)
+        try:
+            text, self.buf = self.buf.decode("utf-8"), b""
+            return text
+        except UnicodeDecodeError as e:
+            text, self.buf = self.buf[:e.start].decode("utf-8"), self.buf[e.start:]
+            return text
+
+    def flush(self):
+        text, self.buf = self.buf.decode("utf-8", errors="replace"), b""
+        return text
+
+
+class NoSecondByteRule:
+    """Uses only the lead byte's length: holds E0 80 / ED A0 ... one byte too long."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.buf = tokenizer, b""
+
+    def push(self, token_id):
+        data = self.buf + self.tokenizer.token_bytes(token_id)
+        n, cut = len(data), len(data)
+        for s in range(n - 1, max(n - 4, -1), -1):
+            if not 0x80 <= data[s] <= 0xBF:
+                if n - s < ref_utf8_length(data[s]):
+                    cut = s
+                break
+        self.buf = data[cut:]
+        return data[:cut].decode("utf-8", errors="replace")
+
+    def flush(self):
+        text, self.buf = self.buf.decode("utf-8", errors="replace"), b""
+        return text
+
+
+class LagsOneToken(StreamDetokenizer):
+    """Keeps the whole last token back: never broken, but not streaming either."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.held = None
+
+    def push(self, token_id):
+        out = "" if self.held is None else super().push(self.held)
+        self.held = token_id
+        return out
+
+    def flush(self):
+        out = "" if self.held is None else super().push(self.held)
+        self.held = None
+        return out + super().flush()
+
+
+class PrintsSpecials(StreamDetokenizer):
+    def push(self, token_id):
+        if self.tokenizer.is_special(token_id):
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return super().push(token_id)
+
+
+def test_lab04_checks_pass_the_references(capsys):
+    check_utf8_length(ref_utf8_length)
+    check_pending_start(_pending_start)
+    check_pending_start(incremental_pending_start)
+    check_stream_detokenizer(StreamDetokenizer)
+    check_stream_detokenizer(IncrementalDetokenizer)
+    out = capsys.readouterr().out
+    assert out.count("✓") == 5
+    assert "'好'" in out and "'🙂'" in out
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda b: 1 if 0x80 <= b <= 0xBF else ref_utf8_length(b), r"continuation byte"),
+    (lambda b: 2 if b in (0xC0, 0xC1) else ref_utf8_length(b), r"overlong"),
+    (lambda b: 4 if b >= 0xF5 else ref_utf8_length(b), r"above U\+10FFFF"),
+    (lambda b: 0 if b < 0x80 else ref_utf8_length(b), r"whole ASCII character"),
+    (lambda b: str(ref_utf8_length(b)), r"return the int"),
+])
+def test_check_utf8_length_rejects(fn, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check_utf8_length(fn)
+
+
+def _no_second_byte_rule(data):
+    n = len(data)
+    for s in range(n - 1, max(n - 4, -1), -1):
+        if not 0x80 <= data[s] <= 0xBF:
+            return s if n - s < ref_utf8_length(data[s]) else n
+    return n
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (len, r"keep them pending"),
+    (lambda data: _pending_start(data) if data[-1:] < b"\x80" else max(0, len(data) - 1), r"settled"),
+    (_no_second_byte_rule, r"the second byte must be"),
+    (lambda data: -1, r"return an int between 0 and len\(data\)"),
+])
+def test_check_pending_start_rejects(fn, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check_pending_start(fn)
+
+
+@pytest.mark.parametrize("cls, hint", [
+    (NaiveDetokenizer, r"after token 4 .*you emitted '\\ufffd'|after token 4 .*you emitted '�'.*first 2 bytes of a "
+                       r"3-byte character.*keep them pending"),
+    (NeverFlushes, r"flush\(\) must hand them over"),
+    (HoldsInvalidForever, r"are settled: .*can never form a character"),
+    (NoSecondByteRule, r"the second byte must be .*emit U\+FFFD now"),
+    (LagsOneToken, r"emit complete characters at once"),
+    (PrintsSpecials, r"A special token .*has no text"),
+])
+def test_check_stream_detokenizer_rejects(cls, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check_stream_detokenizer(cls, show=False)
+
+
+def test_lab04_naive_hint_is_bilingual_and_specific():
+    with pytest.raises(AssertionError) as info:
+        check_stream_detokenizer(NaiveDetokenizer, show=False)
+    msg = str(info.value)
+    assert "第 4 个 token" in msg and "先留在缓冲区" in msg          # Chinese
+    assert "after token 4" in msg and "b'\\xe4\\xb8'" in msg        # English, with the bytes
+
+
+def test_lab04_stubs_raise_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("write your code here")
+
+    class Stub:
+        def __init__(self, tokenizer):
+            raise NotImplementedError("write your code here")
+
+    class StubPush(StreamDetokenizer):
+        def push(self, token_id):
+            raise NotImplementedError("write your code here")
+
+    for check, arg in ((check_utf8_length, stub), (check_pending_start, stub),
+                       (check_stream_detokenizer, Stub), (check_stream_detokenizer, StubPush)):
+        with pytest.raises(NotImplementedError):
+            check(arg)
+
+
+def test_lab04_crashing_push_becomes_a_hint():
+    class Crashes(StreamDetokenizer):
+        def push(self, token_id):
+            raise KeyError(token_id)
+
+    with pytest.raises(AssertionError, match=r"push raised KeyError"):
+        check_stream_detokenizer(Crashes, show=False)
