@@ -405,3 +405,11 @@ def test_stream_rejects_bad_ids(tok):
     det = StreamDetokenizer(tok)
     with pytest.raises(ValueError, match="token id 5000 is out of range"):
         det.push(5000)
+
+
+def test_clear_cache_forgets_chunks_but_not_results():
+    tok = load_default_tokenizer()
+    ids = tok.encode("清空缓存之后，编码结果不变。")
+    tok.clear_cache()
+    assert tok._encode_chunk.cache_info().currsize == 0
+    assert tok.encode("清空缓存之后，编码结果不变。") == ids

@@ -96,6 +96,10 @@ class ByteBPETokenizer:
         # Per-instance cache: real text repeats the same chunks over and over.
         self._encode_chunk = functools.lru_cache(maxsize=1 << 16)(self._bpe_chunk)
 
+    def clear_cache(self) -> None:
+        """Forget encoded chunks (to time encoding on text as if never seen)."""
+        self._encode_chunk.cache_clear()
+
     def __repr__(self) -> str:
         return f"ByteBPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)})"
 
