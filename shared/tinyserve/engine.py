@@ -18,7 +18,7 @@ from tinyserve.executor import ModelExecutor
 from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.metrics import RequestMetrics, StepStats
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
-from tinyserve.request import Request, RequestStatus, SamplingParams
+from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import Scheduler, SchedulerConfig
 from tinyserve.tokenizer import ByteBPETokenizer, StreamDetokenizer, load_default_tokenizer
 

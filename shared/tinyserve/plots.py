@@ -7,17 +7,17 @@ Each function takes data (lists, dicts, step stats) and an optional matplotlib
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-
-# ---- notebook 01: batching, scheduling, queues ------------------------------------
-
-import numpy as np  # noqa: E402  (kept inside this section)
+import numpy as np
 
 
-def _nb01_ax(ax, figsize=(5, 3.5)):
+def _axes(ax, figsize=(5, 3.5)):
+    """The given axes, or new ones of ``figsize`` (small figures keep notebooks light)."""
     if ax is None:
         _, ax = plt.subplots(figsize=figsize, dpi=90)
     return ax
 
+
+# ---- notebook 01: batching, scheduling, queues ------------------------------------
 
 def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None,
                             title="Decode step time vs batch size"):
@@ -25,7 +25,7 @@ def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None
 
     ``predicted_ms`` maps a label (e.g. "max(read, compute)") to one value per batch size.
     """
-    ax = _nb01_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     for (label, values), style in zip((predicted_ms or {}).items(), ("--", ":", "-.", "-")):
         ax.plot(batch_sizes, values, style, lw=1.8, label=f"predicted: {label}")
     ax.plot(batch_sizes, measured_ms, "o-", color="black", lw=1.2, label="measured")
@@ -43,7 +43,7 @@ def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None
 def plot_per_request_time(batch_sizes, measured_ms, predicted_ms=None, ax=None,
                           title="Cost per request per token"):
     """Step time / B against B on log-log axes, with a 1/B guide through the first point."""
-    ax = _nb01_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     b = np.asarray(batch_sizes, dtype=float)
     per = np.asarray(measured_ms, dtype=float) / b
     ax.plot(b, per[0] / b, color="0.7", lw=4, alpha=0.6, label="1/B (perfect sharing)")
@@ -90,7 +90,7 @@ def plot_request_timeline(spans, ax=None, title="Who is in the batch, and when")
     ``spans`` is a list of ``(arrival, first_scheduled, finished, kind)`` in seconds,
     ``kind`` a short label ("long", "short") that picks the colour.
     """
-    ax = _nb01_ax(ax, figsize=(5, 3.5))
+    ax = _axes(ax, figsize=(5, 3.5))
     colors = {}
     palette = ("tab:red", "tab:blue", "tab:green", "tab:purple")
     for row, (arrival, start, end, kind) in enumerate(spans):
@@ -112,7 +112,7 @@ def plot_queue_length(traces, predicted=None, ax=None, title="Queue length over 
     ``traces`` maps a label to ``(times_s, queue_lengths)``; ``predicted`` maps a
     label to ``(times_s, values)`` drawn dashed in the same colour.
     """
-    ax = _nb01_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     for i, (label, (t, q)) in enumerate(traces.items()):
         color = f"C{i}"
         ax.step(t, q, where="post", color=color, lw=1.3, label=f"measured {label}")
@@ -132,7 +132,7 @@ def plot_ttft_vs_arrival(series, ax=None, title="TTFT by arrival time"):
 
     ``series`` maps a label to ``(arrival_offsets_s, ttfts_s)``.
     """
-    ax = _nb01_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     for i, (label, (t, ttft)) in enumerate(series.items()):
         ax.plot(t, np.asarray(ttft) * 1e3, ".", color=f"C{i}", ms=3, label=label)
     ax.set_yscale("log")
@@ -282,16 +282,10 @@ def step_cost_fit(points, model, ax=None, xlabel="tokens in the step"):
 
 # ---- notebook 02: kernel fusion ------------------------------------------------------
 
-def _nb02_ax(ax, figsize=(5, 3.2)):
-    if ax is None:
-        _, ax = plt.subplots(figsize=figsize, dpi=90)
-    return ax
-
-
 def bytes_moved_bars(labels, unfused, fused, ax=None, title="Bytes moved per call",
                      unit=2**20, unit_name="MiB"):
     """Grouped bars: bytes an unfused chain and the fused kernel move, for each shape in ``labels``."""
-    ax = _nb02_ax(ax)
+    ax = _axes(ax, (5, 3.2))
     x = np.arange(len(labels))
     width = 0.38
     for offset, values, name, color in [(-width / 2, unfused, "unfused (eager)", "tab:red"),
@@ -316,7 +310,7 @@ def bandwidth_bars(rows, copy_gbps, ax=None, title="Achieved bandwidth", label_k
     ``rows`` are dicts with at least ``GBps`` and ``label_key`` (``tinyserve.bench`` rows);
     the bar text gives the speed-up over eager where the row has one.
     """
-    ax = _nb02_ax(ax)
+    ax = _axes(ax, (5, 3.2))
     labels = [str(r[label_key]) for r in rows]
     values = [r["GBps"] for r in rows]
     colors = ["tab:green" if any(k in lab for k in ("compile", "triton", "fused")) else "tab:red"
@@ -339,7 +333,7 @@ def bandwidth_bars(rows, copy_gbps, ax=None, title="Achieved bandwidth", label_k
 def bytes_vs_context(contexts, series, ax=None, title="Decode attention: bytes per step",
                      unit=2**20, unit_name="MiB"):
     """Bytes moved against context length (log-log), one line per variant in ``series``."""
-    ax = _nb02_ax(ax)
+    ax = _axes(ax, (5, 3.2))
     styles = [("o-", "tab:red"), ("s-", "tab:green"), ("^--", "0.45"), ("d:", "0.6"), ("v-.", "0.3")]
     for i, (label, values) in enumerate(series.items()):
         style, color = styles[i % len(styles)]
@@ -356,12 +350,6 @@ def bytes_vs_context(contexts, series, ax=None, title="Decode attention: bytes p
 
 
 # ---- notebook 04: batch-size crossover -----------------------------------------------
-
-def _nb04_ax(ax, figsize=(5, 3.5)):
-    if ax is None:
-        _, ax = plt.subplots(figsize=figsize, dpi=90)
-    return ax
-
 
 def crossover_with_context(hw, model, dtype, context_len=0):
     """Batch where the roofline turns compute-bound once each request also reads
@@ -429,7 +417,7 @@ def crossover_explorer(hw, model, dtype="fp16", context_len=0, ax=None, max_batc
 def roofline(peak_flops, bandwidth, points=None, ax=None, title="Roofline", intensity_range=(0.5, 2000)):
     """Attainable FLOP/s = min(peak, intensity x bandwidth), log-log; ``points`` maps a
     label to an arithmetic intensity (FLOPs/byte), drawn on the roof."""
-    ax = _nb04_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     x = np.geomspace(*intensity_range, 300)
     ax.plot(x, np.minimum(peak_flops, x * bandwidth) / 1e12, color="black", lw=2, label="roof")
     ridge = peak_flops / bandwidth
@@ -451,7 +439,7 @@ def measured_vs_roofline(batch_sizes, measured_s, predicted_s, fit=None, ax=None
                          title="Decode step: measured vs roofline", predicted_label="roofline"):
     """Measured step times (points), roofline prediction (line) and the fitted hinge
     (``hardware.KneeFit``, dashed, knee marked), in ms against a log batch axis."""
-    ax = _nb04_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     b = np.asarray(batch_sizes, dtype=float)
     ax.plot(b, np.asarray(predicted_s) * 1e3, "-", lw=2, color="tab:blue", label=predicted_label)
     ax.plot(b, np.asarray(measured_s) * 1e3, "o", color="black", label="measured")
@@ -474,7 +462,7 @@ def latency_throughput(curves, ax=None, title="Latency vs throughput as the batc
                        annotate=(1, 16, 64, 256)):
     """Per-user tok/s (y) against total tok/s (x); ``curves`` maps a label to
     ``(batch_sizes, step_times_s)``. Batch sizes in ``annotate`` are labelled. Log-log."""
-    ax = _nb04_ax(ax)
+    ax = _axes(ax, (5, 3.5))
     for label, (b, t) in curves.items():
         b, t = np.asarray(b, dtype=float), np.asarray(t, dtype=float)
         line, = ax.plot(b / t, 1 / t, "o-", ms=3, label=label)
@@ -496,12 +484,6 @@ def latency_throughput(curves, ax=None, title="Latency vs throughput as the batc
 
 WATERFALL_STAGES = ("tokenize", "queued", "prefill", "first token", "decode", "detokenize",
                     "finish / release")
-
-
-def _nb05_ax(ax, figsize=(8, 3.2)):
-    if ax is None:
-        _, ax = plt.subplots(figsize=figsize, dpi=90)
-    return ax
 
 
 def waterfall_spans(metrics):
@@ -538,7 +520,7 @@ def waterfall_spans(metrics):
 
 def waterfall(output, ax=None, title="One request's journey through the engine"):
     """Horizontal bars, one row per stage, for one finished request (times in ms)."""
-    ax = _nb05_ax(ax)
+    ax = _axes(ax, (8, 3.2))
     spans = waterfall_spans(output)
     rows = {s: i for i, s in enumerate(WATERFALL_STAGES)}
     colors = {"tokenize": "tab:gray", "queued": "tab:orange", "prefill": "tab:blue",
@@ -574,7 +556,7 @@ def waterfall(output, ax=None, title="One request's journey through the engine")
 def itl_spikes(series, arrival_step=None, predicted=None, ax=None,
                title="Inter-token latency of running decodes"):
     """series: {label: [(token_index or time, itl_ms), ...]}; predicted: {label: spike_ms}."""
-    ax = _nb05_ax(ax, figsize=(8, 3.2))
+    ax = _axes(ax, figsize=(8, 3.2))
     styles = ["tab:red", "tab:blue", "tab:green", "tab:purple"]
     for (label, pts), color in zip(series.items(), styles):
         xs, ys = zip(*pts)
@@ -594,7 +576,7 @@ def itl_spikes(series, arrival_step=None, predicted=None, ax=None,
 
 def refcount_map(steps, refcounts, cached=None, ax=None, title="KV block refcounts over time"):
     """refcounts: 2-D array [step, block]; cached: same shape, True where the block is hashed."""
-    ax = _nb05_ax(ax, figsize=(8, 3.2))
+    ax = _axes(ax, figsize=(8, 3.2))
     data = np.asarray(refcounts, dtype=float).T
     shown = np.where(data > 0, data, np.nan)
     top = max(1, int(np.nanmax(data)))
@@ -622,7 +604,7 @@ def refcount_map(steps, refcounts, cached=None, ax=None, title="KV block refcoun
 def tokenizer_vs_engine(concurrency, engine_rates, tokenizer_rate, ax=None,
                         title="Who limits the prompt path: tokenizer or engine?"):
     """engine_rates: {label: [tokens/s at each concurrency]}; tokenizer_rate: {label: tokens/s}."""
-    ax = _nb05_ax(ax, figsize=(8, 3.5))
+    ax = _axes(ax, figsize=(8, 3.5))
     for label, rates in engine_rates.items():
         ax.plot(concurrency[:len(rates)], rates, marker="o", label=f"engine: {label}")
     for (label, rate), ls in zip(tokenizer_rate.items(), ("--", ":", "-.")):
