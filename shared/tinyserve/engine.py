@@ -16,7 +16,7 @@ import torch
 
 from tinyserve.executor import ModelExecutor
 from tinyserve.kv_cache import BlockManager, blocks_for
-from tinyserve.metrics import RequestMetrics, StepStats
+from tinyserve.metrics import RequestMetrics, StepStats, request_metrics  # noqa: F401 (re-export)
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import Scheduler, SchedulerConfig
@@ -186,16 +186,6 @@ class LLMEngine:
             finished=done, finish_reason=request.finish_reason,
             metrics=request_metrics(request),
             text=detokenizer.text if done else None, new_text=new_text)
-
-
-def request_metrics(request: Request) -> RequestMetrics:
-    return RequestMetrics(
-        arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-        first_token_time=request.first_token_time, finished_time=request.finished_time,
-        token_times=list(request.token_times), num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=len(request.output_token_ids), num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions, tokenize_time=request.tokenize_time,
-        detokenize_time=request.detokenize_time, schedule_log=list(request.schedule_log))
 
 
 # ---- the offline front door ---------------------------------------------------------

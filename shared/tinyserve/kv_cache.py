@@ -89,8 +89,9 @@ class BlockManager:
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that the request's table covers ``num_tokens`` tokens."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(0, blocks_for(num_tokens, self.block_size) - have)
+        table = self.block_tables.get(request_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        return need if need > 0 else 0
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         return self.num_new_blocks_needed(request_id, num_tokens) <= self.num_free_blocks
@@ -139,6 +140,11 @@ class BlockManager:
         self.num_hit_tokens += cached_tokens
         return cached_tokens
 
+    def has_unhashed_full_blocks(self, request_id: str, num_computed: int) -> bool:
+        """Would ``cache_full_blocks`` hash anything? (Cheap; saves building the token list.)"""
+        return (self.enable_prefix_caching
+                and num_computed // self.block_size > self._num_hashed.get(request_id, 0))
+
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Hash the request's blocks that are now full and computed, so others can reuse them."""
         if not self.enable_prefix_caching:
@@ -164,6 +170,9 @@ class BlockManager:
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to cover ``num_tokens`` tokens; return the new block ids."""
         need = self.num_new_blocks_needed(request_id, num_tokens)
+        if not need:
+            self.block_tables.setdefault(request_id, [])
+            return []
         if need > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: request {request_id!r} needs {need}, "
                                f"{self.num_free_blocks} free (the scheduler should have preempted)")

@@ -6,6 +6,7 @@
 * ITL (inter-token latency): the gaps between consecutive output tokens.
 * E2E: finish time - arrival time.
 * Throughput: output tokens (or requests) per second of wall time.
+* Goodput: requests per second that met every latency SLO (TTFT, TPOT, E2E).
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ class StepStats:
     batch: list[tuple[str, int]] = field(default_factory=list)
 
 
+def request_metrics(request) -> RequestMetrics:
+    """A snapshot of a ``tinyserve.request.Request``'s timestamps and counters."""
+    return RequestMetrics(
+        arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time, finished_time=request.finished_time,
+        token_times=list(request.token_times), num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=len(request.output_token_ids), num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions, tokenize_time=request.tokenize_time,
+        detokenize_time=request.detokenize_time, schedule_log=list(request.schedule_log))
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
     if not values:
@@ -96,10 +108,26 @@ def _describe(prefix: str, values: list[float]) -> dict[str, float]:
             f"p99_{prefix}": percentile(values, 99)}
 
 
-def summarize(metrics: list[RequestMetrics], duration: float | None = None) -> dict[str, float]:
+def meets_slo(m: RequestMetrics, ttft_slo: float | None = None, tpot_slo: float | None = None,
+              e2e_slo: float | None = None) -> bool:
+    """Did a finished request meet every SLO given (seconds)? A one-token output has no TPOT."""
+    if m.finished_time is None:
+        return False
+    if ttft_slo is not None and m.ttft > ttft_slo:
+        return False
+    if tpot_slo is not None and m.tpot is not None and m.tpot > tpot_slo:
+        return False
+    return e2e_slo is None or m.e2e <= e2e_slo
+
+
+def summarize(metrics: list[RequestMetrics], duration: float | None = None,
+              ttft_slo: float | None = None, tpot_slo: float | None = None,
+              e2e_slo: float | None = None) -> dict[str, float]:
     """Aggregate per-request metrics (seconds) into a benchmark summary.
 
-    ``duration`` defaults to first arrival → last finish.
+    ``duration`` defaults to first arrival → last finish. With any SLO given,
+    ``goodput`` is the rate of requests that met all of them (requests/s) and
+    ``slo_attainment`` their share of the completed requests.
     """
     done = [m for m in metrics if m.finished_time is not None]
     if duration is None and done:
@@ -112,6 +140,10 @@ def summarize(metrics: list[RequestMetrics], duration: float | None = None) -> d
         "output_throughput": output_tokens / duration if duration else float("nan"),
         "request_throughput": len(done) / duration if duration else float("nan"),
     }
+    if (ttft_slo, tpot_slo, e2e_slo) != (None, None, None):
+        good = sum(meets_slo(m, ttft_slo, tpot_slo, e2e_slo) for m in done)
+        summary["goodput"] = good / duration if duration else float("nan")
+        summary["slo_attainment"] = good / len(done) if done else float("nan")
     summary.update(_describe("ttft", [m.ttft for m in done if m.ttft is not None]))
     summary.update(_describe("tpot", [m.tpot for m in done if m.tpot is not None]))
     summary.update(_describe("itl", [gap for m in done for gap in m.itl]))

@@ -53,7 +53,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)    # a request is itself: compared by identity, not by field values
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -62,6 +62,9 @@ class Request:
     prompt: str | None = None
     eos_token_id: int | None = None
     priority: int = 0
+    # Expected number of output tokens, if the client or a predictor gives one
+    # (used by shortest-job-first); None = unknown.
+    output_len_hint: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -19,8 +19,10 @@ already produced are prefilled again, so its output does not change.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.request import Request, RequestStatus
@@ -29,28 +31,143 @@ from tinyserve.request import Request, RequestStatus
 # ---- policies: which waiting request is admitted next ------------------------------
 
 class Policy:
-    """Orders the waiting queue. ``select`` returns the index of the next request to admit."""
-    name = "base"
+    """Orders the waiting queue.
 
-    def select(self, waiting: deque[Request], now: float) -> int:
+    ``select(waiting, now, running)`` returns the index in ``waiting`` of the next
+    request to admit, or ``None`` to admit nobody more this step. A preempted
+    request sits at the front of the queue and is always resumed first: it has
+    already been served once and holds no blocks, so letting it wait again would
+    only waste the work done on it.
+
+    ``prefill_first`` selects the step composition: ``False`` (decode-first, the
+    default) lets running requests take their tokens first and gives new prompts
+    the budget left over; ``True`` runs pending prefills in steps of their own
+    while the running requests' decodes wait.
+    """
+    name = "base"
+    prefill_first = False
+
+    def select(self, waiting: Sequence[Request], now: float,
+               running: Sequence[Request] = ()) -> int | None:
+        if waiting and waiting[0].status is RequestStatus.PREEMPTED:
+            return 0
+        return self.choose(waiting, now, running)
+
+    def choose(self, waiting: Sequence[Request], now: float,
+               running: Sequence[Request]) -> int | None:
         raise NotImplementedError
 
 
+def _argmin(waiting: Sequence[Request], key: Callable[[Request], float]) -> int:
+    """Index of the smallest key; ties go to the earlier position (arrival order)."""
+    return min(range(len(waiting)), key=lambda i: key(waiting[i]))
+
+
 class FCFSPolicy(Policy):
-    """First come, first served (preempted requests were put back at the front)."""
+    """First come, first served: a long prompt at the head holds up everyone behind it."""
     name = "fcfs"
 
-    def select(self, waiting, now):
+    def choose(self, waiting, now, running):
         return 0
 
 
-POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy}
+class SJFPolicy(Policy):
+    """Shortest job first: the fewest tokens left to prefill, plus the output-length hint
+    when the request carries one (``Request.output_len_hint``).
+
+    ``aging`` (tokens per second of waiting) lowers a request's effective length
+    as it waits, so a long request cannot be overtaken forever; 0 = pure SJF,
+    which can starve long requests under sustained load.
+    """
+    name = "sjf"
+
+    def __init__(self, aging: float = 0.0):
+        if aging < 0:
+            raise ValueError(f"aging must be >= 0, got {aging!r}")
+        self.aging = aging
+
+    def job_size(self, request: Request) -> float:
+        size = request.num_tokens - request.num_computed_tokens
+        if request.output_len_hint is not None:
+            size += request.output_len_hint
+        return size
+
+    def choose(self, waiting, now, running):
+        return _argmin(waiting, lambda r: self.job_size(r) - self.aging * (now - r.arrival_time))
 
 
-def make_policy(name: str) -> Policy:
-    if name not in POLICIES:
-        raise ValueError(f"policy: unknown policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+class PriorityPolicy(Policy):
+    """Lower ``priority`` value first; among equals, first come first served.
+
+    ``aging`` (priority levels per second of waiting) is subtracted from a
+    request's priority as it waits, so every request eventually reaches the
+    front: a request with priority p behind a stream of priority-0 arrivals
+    waits at most about p / aging seconds longer than they do.
+    """
+    name = "priority"
+
+    def __init__(self, aging: float = 1.0):
+        if aging < 0:
+            raise ValueError(f"aging must be >= 0, got {aging!r}")
+        self.aging = aging
+
+    def choose(self, waiting, now, running):
+        return _argmin(waiting, lambda r: r.priority - self.aging * (now - r.arrival_time))
+
+
+class BucketPolicy(Policy):
+    """Length buckets: each step admits requests of one prompt-length bucket only,
+    the bucket of the oldest waiting request, in arrival order.
+
+    Requests admitted together have similar lengths, so they finish prefill
+    together (and in a static batch, nobody short is held by someone long).
+    The cost is fill rate: when that bucket has few requests waiting, seats and
+    budget stay unused this step although other requests wait.
+    """
+    name = "bucket"
+
+    def __init__(self, boundaries: Sequence[int] = (64, 256, 1024)):
+        if not boundaries or list(boundaries) != sorted(set(boundaries)):
+            raise ValueError(f"boundaries must be increasing, got {boundaries!r}")
+        self.boundaries = tuple(boundaries)
+        self._step: tuple[float, int] | None = None     # (step time, its bucket)
+
+    def bucket(self, request: Request) -> int:
+        return bisect.bisect_left(self.boundaries, request.num_prompt_tokens)
+
+    def choose(self, waiting, now, running):
+        if self._step is None or self._step[0] != now:         # a new step
+            self._step = (now, self.bucket(waiting[0]))
+        current = self._step[1]
+        return next((i for i, r in enumerate(waiting) if self.bucket(r) == current), None)
+
+
+class DecodeFirstPolicy(FCFSPolicy):
+    """FCFS order; every step serves the running requests' decodes first and gives
+    new prompts what is left of the token budget (steady TPOT, slower TTFT).
+    This is also what ``fcfs`` does: the name exists to compare with prefill-first."""
+    name = "decode-first"
+
+
+class PrefillFirstPolicy(FCFSPolicy):
+    """FCFS order; whenever a waiting prompt can be admitted, the step runs
+    prefills only and the decodes pause (fast TTFT, TPOT stalls)."""
+    name = "prefill-first"
+    prefill_first = True
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FCFSPolicy, SJFPolicy, PriorityPolicy, BucketPolicy,
+                              DecodeFirstPolicy, PrefillFirstPolicy)}
+
+
+def make_policy(policy: str | Policy) -> Policy:
+    """A policy by name (default settings) or an already built ``Policy`` instance."""
+    if isinstance(policy, Policy):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"policy: unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[policy]()
 
 
 # ---- configuration and plan -------------------------------------------------------
@@ -65,7 +182,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     block_size: int = 16
     batching: str = "continuous"
-    policy: str = "fcfs"
+    policy: str | Policy = "fcfs"   # a name in POLICIES or a Policy instance
     enable_chunked_prefill: bool = True
     max_model_len: int = 512
 
@@ -136,7 +253,7 @@ class Scheduler:
     # ---- planning --------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
-        cfg, bm = self.config, self.block_manager
+        cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
 
@@ -144,12 +261,42 @@ class Scheduler:
             # Form a new batch: seats are the only limit here; the token budget and
             # blocks are applied below as its members get scheduled.
             while self.waiting and len(self.running) < cfg.max_num_seqs:
-                self._admit(self._pop_next(now))
+                index = self.policy.select(self.waiting, now, self.running)
+                if index is None:
+                    break
+                self._admit(self.waiting[index])
+                del self.waiting[index]
+
+        if self.policy.prefill_first and cfg.batching == "continuous":
+            # Prefill-only steps while there is prompt work; decodes wait for a step
+            # with no prefill in it.
+            budget = self._schedule_running(out, budget, now, prefills_only=True)
+            if not out.preempted:
+                budget = self._admit_waiting(out, budget, now)
+            if out.scheduled:
+                return self._finish_plan(out)
 
         # 1. Running requests first (decodes and unfinished prefill chunks).
+        budget = self._schedule_running(out, budget, now)
+        # 2. Admit waiting requests (continuous batching only), unless we just had
+        #    to preempt: then the cache is full and admitting would thrash.
+        if cfg.batching == "continuous" and not out.preempted:
+            self._admit_waiting(out, budget, now)
+        return self._finish_plan(out)
+
+    def _finish_plan(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.num_waiting, out.num_running = len(self.waiting), len(self.running)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float,
+                          prefills_only: bool = False) -> int:
+        bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if prefills_only and not request.is_prefilling:
+                i += 1
+                continue
             if not request.prefix_checked:
                 # A static batch's new member: reuse cached prefix blocks if they fit.
                 hits = self._prefix_hits(request)
@@ -171,40 +318,34 @@ class Scheduler:
             out.scheduled.append(self._schedule(request, n, now))
             budget -= n
             i += 1
+        return budget
 
-        # 2. Admit waiting requests (continuous batching only), unless we just had
-        #    to preempt: then the cache is full and admitting would thrash.
-        if cfg.batching == "continuous" and not out.preempted:
-            while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
-                index = self.policy.select(self.waiting, now)
-                request = self.waiting[index]
-                hits = self._prefix_hits(request)
-                cached = len(hits) * bm.block_size
-                n = self._tokens_to_run(request, budget, cached)
-                need = (blocks_for(cached + n, bm.block_size) - len(hits)
-                        + bm.num_blocks_to_claim(hits))
-                if n == 0 or need > bm.num_free_blocks:
-                    break
-                del self.waiting[index]
-                self._admit(request)
-                self._claim_prefix(request, hits)
-                out.scheduled.append(self._schedule(request, n, now))
-                budget -= n
-
-        out.num_waiting, out.num_running = len(self.waiting), len(self.running)
-        return out
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            index = self.policy.select(self.waiting, now, self.running)
+            if index is None:
+                break
+            request = self.waiting[index]
+            hits = self._prefix_hits(request)
+            cached = len(hits) * bm.block_size
+            n = self._tokens_to_run(request, budget, cached)
+            need = (blocks_for(cached + n, bm.block_size) - len(hits)
+                    + bm.num_blocks_to_claim(hits))
+            if n == 0 or need > bm.num_free_blocks:
+                break
+            del self.waiting[index]
+            self._admit(request)
+            self._claim_prefix(request, hits)
+            out.scheduled.append(self._schedule(request, n, now))
+            budget -= n
+        return budget
 
     def _tokens_to_run(self, request: Request, budget: int, cached: int = 0) -> int:
         remaining = request.num_tokens - max(request.num_computed_tokens, cached)
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
-
-    def _pop_next(self, now: float) -> Request:
-        index = self.policy.select(self.waiting, now)
-        request = self.waiting[index]
-        del self.waiting[index]
-        return request
 
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks a request with nothing computed yet could start from."""
@@ -232,7 +373,8 @@ class Scheduler:
             request.first_scheduled_time = now
         request.schedule_log.append((now, n))
         remaining = request.num_tokens - request.num_computed_tokens
-        return ScheduledRequest(request, n, list(self.block_manager.block_table(request.request_id)),
+        # The live table (no copy): valid for this step, which is all the executor needs.
+        return ScheduledRequest(request, n, self.block_manager.block_table(request.request_id),
                                 samples=n == remaining,
                                 is_decode=bool(request.output_token_ids) and remaining == 1)
 
@@ -253,8 +395,10 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
-                                                 request.num_computed_tokens)
+            if self.block_manager.has_unhashed_full_blocks(request.request_id,
+                                                           request.num_computed_tokens):
+                self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                                     request.num_computed_tokens)
             if not item.samples:
                 continue
             request.output_token_ids.append(sampled[request.request_id])

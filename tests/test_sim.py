@@ -1,0 +1,162 @@
+"""The simulator: the real scheduler on a virtual clock, priced by the roofline."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyserve import LLM, SamplingParams
+from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, ModelSpec, decode_step_time
+from tinyserve.metrics import percentile
+from tinyserve.model import get_preset
+from tinyserve.scheduler import SJFPolicy
+from tinyserve.sim import SimExecutor, simulate
+from tinyserve.workload import RequestSpec, make_workload
+
+
+def test_a_decode_step_costs_what_the_roofline_says():
+    # B decodes at the same context: exactly hardware.decode_step_time.
+    specs = [RequestSpec(0.0, 100, 3) for _ in range(8)]
+    result = simulate(specs, record_batches=True)
+    decode_steps = [s for s in result.steps if s.num_prefill_tokens == 0]
+    assert decode_steps
+    first = decode_steps[0]             # context 101 after the prompt and one token
+    assert first.duration == pytest.approx(decode_step_time(A100_SXM_80GB, LLAMA_7B, 8, "fp16", 101))
+
+
+def test_every_request_gets_its_output_and_every_block_comes_back():
+    specs = make_workload("mixed", 300, rate=40.0, seed=3)
+    result = simulate(specs, num_kv_blocks=600, max_num_seqs=32, check_invariants=True)
+    assert result.num_preemptions > 0          # the small cache forces preemption
+    for out, spec in zip(result, specs):
+        m = out.metrics
+        assert out.finish_reason == "length"
+        assert m.num_output_tokens == spec.output_len
+        assert m.arrival_time == spec.arrival
+        assert spec.arrival <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    # simulate() itself raises if a block is still held at the end; check_integrity ran every step.
+
+
+def test_the_simulator_runs_the_engines_scheduler_step_for_step():
+    # Same requests, same knobs: the real engine and the simulator plan identical batches.
+    preset = get_preset("tiny")
+    lengths = [(37, 5), (3, 9), (20, 2), (64, 7), (9, 4), (15, 11)]
+    llm = LLM("tiny", seed=0, max_num_seqs=3, max_num_batched_tokens=24, block_size=4,
+              num_kv_blocks=20, enable_prefix_caching=False)
+    llm.generate([[11] * p for p, _ in lengths],
+                 [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths])
+    result = simulate([RequestSpec(0.0, p, o) for p, o in lengths], model=ModelSpec.from_config(preset),
+                      max_num_seqs=3, max_num_batched_tokens=24, block_size=4, num_kv_blocks=20,
+                      max_model_len=preset.max_position_embeddings, record_batches=True)
+    assert [s.batch for s in result.steps] == [s.batch for s in llm.engine.step_stats]
+    assert result.num_preemptions == llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_groups_hit_the_prefix_cache():
+    specs = make_workload("shared-prefix", 200, rate=20.0, seed=1, num_prefix_groups=4)
+    cold = simulate(specs, enable_prefix_caching=False).summary()
+    warm = simulate(specs, enable_prefix_caching=True).summary()
+    assert cold["prefix_cache_hit_rate"] == 0
+    assert warm["prefix_cache_hit_rate"] > 0.7          # 512 of ~560 tokens are shared
+    assert warm["mean_ttft"] < cold["mean_ttft"]
+
+
+def _short_and_long(result, specs):
+    lengths = sorted(s.prompt_len for s in specs)
+    short_cut, long_cut = percentile(lengths, 50), percentile(lengths, 95)
+    short = [o.metrics.ttft for o in result if o.spec.prompt_len <= short_cut]
+    long_waits = [o.metrics.queue_time for o in result if o.spec.prompt_len >= long_cut]
+    return percentile(short, 50), max(long_waits)
+
+
+@pytest.fixture(scope="module")
+def overload():
+    specs = make_workload("mixed", 2000, rate=24.0, seed=1)    # above the A100's ~17 req/s
+    return specs, {name: simulate(specs, policy=policy) for name, policy in
+                   [("fcfs", "fcfs"), ("sjf", "sjf"), ("sjf-aging", SJFPolicy(aging=200.0))]}
+
+
+def test_fcfs_head_of_line_blocking_hurts_short_requests(overload):
+    specs, runs = overload
+    fcfs_short, _ = _short_and_long(runs["fcfs"], specs)
+    sjf_short, _ = _short_and_long(runs["sjf"], specs)
+    assert fcfs_short > 3 * sjf_short
+
+
+def test_sjf_starves_long_requests_and_aging_bounds_their_wait(overload):
+    specs, runs = overload
+    _, fcfs_wait = _short_and_long(runs["fcfs"], specs)
+    _, sjf_wait = _short_and_long(runs["sjf"], specs)
+    _, aging_wait = _short_and_long(runs["sjf-aging"], specs)
+    assert sjf_wait > 2 * fcfs_wait
+    assert aging_wait < 0.8 * sjf_wait
+
+
+def test_queue_is_flat_below_capacity_and_grows_above_it():
+    def queue_growth(rate):
+        steps = simulate(make_workload("mixed", 1500, rate=rate, seed=2), max_time=60.0).steps
+        third = len(steps) // 3
+        early = sum(s.num_waiting for s in steps[:third]) / third
+        late = sum(s.num_waiting for s in steps[-third:]) / third
+        return early, late
+    early, late = queue_growth(8.0)
+    assert late < 5 and early < 5
+    early, late = queue_growth(40.0)
+    assert late > 3 * early + 100
+
+
+def test_prefill_first_trades_tpot_for_ttft():
+    specs = make_workload("mixed", 600, rate=10.0, seed=1)
+    kw = dict(max_num_batched_tokens=256, max_num_seqs=128)
+    decode_first = simulate(specs, policy="decode-first", **kw).summary()
+    prefill_first = simulate(specs, policy="prefill-first", **kw).summary()
+    assert prefill_first["mean_ttft"] < decode_first["mean_ttft"]
+    assert prefill_first["mean_tpot"] > 1.2 * decode_first["mean_tpot"]
+
+
+def test_goodput_counts_requests_within_the_slos():
+    result = simulate(make_workload("mixed", 200, rate=10.0, seed=4))
+    s = result.summary(ttft_slo=0.1, tpot_slo=0.02)
+    met = sum(1 for m in result.metrics if m.ttft <= 0.1 and (m.tpot is None or m.tpot <= 0.02))
+    assert s["slo_attainment"] == pytest.approx(met / 200)
+    assert s["goodput"] == pytest.approx(met / s["duration"])
+    assert 0 < met < 200
+
+
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="exceeds max_model_len=4096"):
+        simulate([RequestSpec(0.0, 4000, 200)])
+    with pytest.raises(ValueError, match="needs 7 KV blocks but the cache has only num_kv_blocks=5"):
+        simulate([RequestSpec(0.0, 100, 2)], num_kv_blocks=5)
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        simulate([RequestSpec(0.0, 10, 2)], hardware="TPU")
+    with pytest.raises(ValueError, match="model: unknown model 'GPT'"):
+        simulate([RequestSpec(0.0, 10, 2)], model="GPT")
+    with pytest.raises(ValueError, match="overhead must be >= 0"):
+        SimExecutor(A100_SXM_80GB, LLAMA_7B, overhead=-1.0)
+    with pytest.raises(ValueError, match="prompt_len must be >= 1"):
+        RequestSpec(0.0, 0, 5)
+    with pytest.raises(ValueError, match="workload: unknown workload"):
+        make_workload("chat")
+
+
+def test_workloads_are_reproducible_and_share_prefixes():
+    from tinyserve.workload import arrival_times, offered_load, prompt_token_ids
+    a, b = make_workload("mixed", 50, rate=5.0, seed=9), make_workload("mixed", 50, rate=5.0, seed=9)
+    assert a == b and a != make_workload("mixed", 50, rate=5.0, seed=10)
+    assert all(x.arrival <= y.arrival for x, y in zip(a, a[1:]))
+    load = offered_load(make_workload("mixed", 4000, rate=5.0, seed=1))
+    assert load["rate"] == pytest.approx(5.0, rel=0.05)
+    import numpy as np
+    bursty = np.diff(arrival_times(4000, 5.0, burstiness=0.2, rng=np.random.default_rng(0)))
+    poisson = np.diff(arrival_times(4000, 5.0, rng=np.random.default_rng(0)))
+    assert bursty.mean() == pytest.approx(poisson.mean(), rel=0.1)
+    assert bursty.std() > 1.8 * poisson.std()           # same rate, bunched arrivals
+    shared = make_workload("shared-prefix", 40, rate=5.0, seed=0, num_prefix_groups=2, prefix_len=64)
+    groups = {}
+    for i, spec in enumerate(shared):
+        ids = prompt_token_ids(spec, i)
+        assert len(ids) == spec.prompt_len
+        groups.setdefault(spec.prefix_group, []).append(ids[:spec.prefix_len])
+    assert len(groups) == 2 and all(len({tuple(p) for p in g}) == 1 for g in groups.values())
+    x, y = (prompt_token_ids(s, i) for i, s in enumerate(shared[:2]))
+    assert x[spec.prefix_len:] != y[spec.prefix_len:]
