@@ -1,12 +1,10 @@
 """Classroom labs: build student notebooks from solutions, check them, grade them.
 
-The check functions that lab notebooks call (check_*) live in checks.py and
-are re-exported here, so a lab writes `from tinyserve.labs import check_...`.
+The check functions that lab notebooks call (check_*) live in the checks*
+modules and are re-exported here, so a lab writes `from tinyserve.labs import check_...`.
 """
 
-try:
-    from tinyserve.labs.checks import *  # noqa: F401,F403
-except ModuleNotFoundError as e:
-    # checks.py may not exist yet; any other missing module is a real error.
-    if e.name != "tinyserve.labs.checks":
-        raise
+from tinyserve.labs.checks import *  # noqa: F401,F403  labs 01-04
+from tinyserve.labs.checks_policies import *  # noqa: F401,F403  lab 05
+from tinyserve.labs.checks_routing import *  # noqa: F401,F403  lab 06
+from tinyserve.labs.checks_capstone import *  # noqa: F401,F403  lab 07

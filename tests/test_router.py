@@ -1,0 +1,233 @@
+"""Routing policies (pure decisions) and the streaming HTTP router over real replicas."""
+
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from tinyserve.client import iter_sse
+from tinyserve.router import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
+                              RoundRobin, build_router_app, compare_policies_async,
+                              make_routing_policy, shared_prefix_runs)
+from tinyserve.server import free_port, launch_servers
+
+# ---- pure policies ----------------------------------------------------------------
+
+
+def test_round_robin_ignores_load():
+    p = RoundRobin(3)
+    assert [p.choose((1,), [9, 0, 0]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_least_outstanding_picks_minimum_and_rotates_ties():
+    p = LeastOutstanding(3)
+    assert p.choose((1,), [5, 2, 7]) == 1
+    assert p.choose((1,), [5, 9, 1]) == 2
+    # All equal: ties go round-robin from after the last choice, so an idle fleet spreads.
+    assert [p.choose((1,), [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+
+
+def test_cache_aware_follows_the_longest_prefix():
+    p = CacheAware(3)
+    sys_a, sys_b = tuple(range(100, 164)), tuple(range(500, 564))
+    first = p.choose(sys_a + (1, 2), [0, 0, 0])
+    assert first == 0                               # empty trees: least loaded, first tie
+    second = p.choose(sys_b + (3,), [1, 0, 0])
+    assert second == 1                              # no match: least loaded
+    # Same system prompt as the first: back to replica 0, although it is busier.
+    assert p.choose(sys_a + (7, 8, 9), [3, 0, 1]) == 0
+    assert p.choose(sys_b + (4, 4), [3, 1, 0]) == 1
+    assert p.num_by_match == 2 and p.num_by_load == 2
+
+
+def test_cache_aware_load_guard_wins_over_the_match():
+    p = CacheAware(3, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    key = tuple(range(50))
+    assert p.choose(key, [0, 0, 0]) == 0
+    # max - min = 5 > 4 and 5 > 1.5 * 0: imbalanced, so the least loaded replica.
+    assert p.choose(key, [5, 0, 2]) == 1
+    # Now replica 1's tree holds the key too; with balanced load the match decides,
+    # and the less loaded of the equal matches wins.
+    assert p.choose(key, [3, 2, 0]) == 1
+    # Within the absolute threshold the match still wins.
+    assert p.choose(key, [4, 4, 0]) == 0
+
+
+def test_cache_aware_short_match_goes_to_least_loaded():
+    p = CacheAware(2, min_match_ratio=0.5)
+    p.choose((1, 2, 3, 4), [0, 0])                  # recorded on replica 0
+    # Shares 2 of 10 elements (< 50%): treated as no match.
+    assert p.choose((1, 2) + tuple(range(90, 98)), [1, 0]) == 1
+    # Shares 4 of 6 (>= 50%): follows the match.
+    assert p.choose((1, 2, 3, 4, 5, 6), [1, 0]) == 0
+
+
+def test_cache_aware_works_on_strings():
+    p = CacheAware(2)
+    assert p.choose("system: you are kind\nuser: hi", [0, 0]) == 0
+    assert p.choose("something else entirely", [1, 0]) == 1
+    assert p.choose("system: you are kind\nuser: bye", [1, 0]) == 0
+
+
+def test_prefix_tree_matches_like_brute_force():
+    rng = random.Random(0)
+    tree, keys = PrefixTree(max_size=10**9), []
+    for _ in range(300):
+        if keys and rng.random() < 0.5:             # extend an existing key's prefix
+            base = rng.choice(keys)
+            key = base[:rng.randint(0, len(base))] + tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 6)))
+        else:
+            key = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 12)))
+        probe = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 12)))
+
+        def lcp(a, b):
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            return n
+        assert tree.match(probe) == max((lcp(probe, k) for k in keys), default=0)
+        tree.insert(key)
+        keys.append(key)
+        assert tree.match(key) == len(key)
+    # size = number of distinct non-empty prefixes (one element per trie edge).
+    assert tree.size == len({k[:i] for k in keys for i in range(1, len(k) + 1)})
+
+
+def test_prefix_tree_budget_and_lru_eviction():
+    tree = PrefixTree(max_size=100)
+    old, fresh = tuple(range(0, 40)), tuple(range(1000, 1040))
+    tree.insert(old)
+    tree.insert(fresh)
+    tree.match(old)                                 # match does not count as use
+    tree.insert(fresh)                              # touch: `fresh` is now the newest
+    tree.insert(tuple(range(2000, 2040)))           # 120 > 100: evict down to <= 90
+    assert tree.size <= 100
+    assert tree.match(old) == 0                     # least recently used went first
+    assert tree.match(fresh) == 40
+    for k in range(50):                             # stays bounded whatever is inserted
+        tree.insert(tuple(range(k * 100, k * 100 + 30)))
+        assert tree.size <= 100
+
+
+def test_make_routing_policy_and_errors():
+    assert set(ROUTING_POLICIES) == {"round_robin", "least_outstanding", "cache_aware"}
+    for name in ROUTING_POLICIES:
+        assert make_routing_policy(name, 4).name == name
+    with pytest.raises(ValueError, match="policy: unknown routing policy 'random'"):
+        make_routing_policy("random", 3)
+    with pytest.raises(ValueError, match="num_replicas must be an integer >= 1"):
+        make_routing_policy("round_robin", 0)
+    with pytest.raises(ValueError, match="outstanding has 2 entries for 3 replicas"):
+        make_routing_policy("least_outstanding", 3).choose((1,), [0, 0])
+    with pytest.raises(ValueError, match="min_match_ratio must be in"):
+        make_routing_policy("cache_aware", 3, min_match_ratio=2)
+    with pytest.raises(ValueError, match="key must not be empty"):
+        make_routing_policy("cache_aware", 3).choose((), [0, 0, 0])
+
+
+# ---- the HTTP router over three real replicas ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    # A small KV cache (48 blocks of 16 tokens) so that one replica cannot hold
+    # every group's prefix: where requests go decides what gets reused.
+    procs = launch_servers(3, "tiny", ["--threads", "1", "--num-kv-blocks", "48"])
+    try:
+        yield [p.url for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _run_router(replicas, policy, body_fn):
+    """Start an in-process router, run ``body_fn(session, router_url, app)``."""
+    async def main():
+        app = build_router_app(replicas, policy)
+        srv = TestServer(app)
+        await srv.start_server()
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await body_fn(s, str(srv.make_url("")).rstrip("/"), app)
+        finally:
+            await srv.close()
+    return asyncio.run(main())
+
+
+def test_router_streams_through_and_counts(replicas):
+    body = {"prompt": [10, 20, 30, 40], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+
+    async def go(s, url, app):
+        streams = []
+        for _ in range(3):
+            chunks = []
+            async with s.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                async for data in iter_sse(r):
+                    chunks.append(data)
+            streams.append(chunks)
+        async with s.post(replicas[0] + "/v1/completions", json=body) as r:
+            direct = await r.json()
+        async with s.post(url + "/v1/completions", data=b"{oops") as r:
+            bad = (r.status, await r.json())
+        async with s.get(url + "/metrics") as r:
+            metrics = await r.text()
+        return streams, direct, bad, metrics
+
+    streams, direct, bad, metrics = _run_router(replicas, "round_robin", go)
+    for chunks in streams:
+        assert chunks[-1] == "[DONE]"
+        text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
+        assert text == direct["choices"][0]["text"]     # same weights on every replica
+    assert bad[0] == 400 and bad[1]["error"]["type"] == "invalid_request_error"
+    for u in replicas:                                  # round robin: one each
+        assert f'tinyserve_router:requests_routed_total{{replica="{u}"}} 1' in metrics
+        assert f'tinyserve_router:requests_outstanding{{replica="{u}"}} 0' in metrics
+
+
+def test_router_disconnect_reaches_the_replica(replicas):
+    async def go(s, url, app):
+        async def aborts():
+            total = 0
+            for u in replicas:
+                async with s.get(u + "/debug/engine") as r:
+                    total += (await r.json())["request_abort_total"]
+            return total
+        before = await aborts()
+        body = {"prompt": [7, 8, 9], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            async for _ in iter_sse(r):
+                break
+            r.close()
+        deadline = time.monotonic() + 30
+        while await aborts() == before:
+            assert time.monotonic() < deadline, "replica never saw the abort"
+            await asyncio.sleep(0.05)
+        return await aborts() - before
+
+    assert _run_router(replicas, "least_outstanding", go) == 1
+
+
+def test_router_bad_gateway_when_replica_is_down():
+    async def go(s, url, app):
+        async with s.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
+            return r.status, await r.json()
+    status, body = _run_router([f"http://127.0.0.1:{free_port()}"], "round_robin", go)
+    assert status == 502 and "failed" in body["error"]["message"]
+
+
+def test_cache_aware_at_least_doubles_prefix_hit_rate(replicas):
+    # 12 prefix groups of 128 shared tokens (8 blocks), 36 requests: round robin
+    # scatters each group over all 3 replicas, cache-aware keeps it on one.
+    specs_for = shared_prefix_runs("shared-prefix", num_requests=36, rate=30.0, seed=11,
+                                   max_len=512, length_scale=0.25, num_prefix_groups=12)
+    rows = asyncio.run(compare_policies_async(replicas, specs_for,
+                                              policies=("round_robin", "cache_aware")))
+    rr, ca = rows
+    assert rr["errors"] == ca["errors"] == 0
+    assert rr["completed"] == ca["completed"] == 36
+    assert ca["prefix_cache_hit_rate"] >= 2 * rr["prefix_cache_hit_rate"] > 0
