@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,7 +16,7 @@ import torch
 
 from tinyserve.executor import ModelExecutor
 from tinyserve.kv_cache import BlockManager, blocks_for
-from tinyserve.metrics import RequestMetrics, StepStats, request_metrics  # noqa: F401 (re-export)
+from tinyserve.metrics import RequestMetrics, StepStats, request_metrics
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import Scheduler, SchedulerConfig
@@ -35,9 +35,14 @@ class RequestOutput:
     new_token_ids: list[int]        # the ones produced by this step (for streaming)
     finished: bool
     finish_reason: str | None
-    metrics: RequestMetrics
+    request: Request = field(repr=False)
     text: str | None = None         # filled when finished
     new_text: str = ""              # printable text added by this step (streaming)
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        """The request's timings, built when read (streaming never pays for them)."""
+        return request_metrics(self.request)
 
 
 class LLMEngine:
@@ -184,7 +189,7 @@ class LLMEngine:
             token_ids=list(request.output_token_ids),
             new_token_ids=request.output_token_ids[-1:],
             finished=done, finish_reason=request.finish_reason,
-            metrics=request_metrics(request),
+            request=request,
             text=detokenizer.text if done else None, new_text=new_text)
 
 
