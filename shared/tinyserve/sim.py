@@ -53,6 +53,9 @@ class SimExecutor:
         self.compute_time_per_token = 2 * model.num_parameters / peak
         # QK^T and PV: 2 matmuls x 2 FLOPs x hidden per (query, key) pair per layer.
         self.attention_time_per_pair = 4 * model.num_layers * model.hidden_size / peak
+        # Requests whose prompt KV arrived from elsewhere (disaggregated prefill):
+        # their prompt tokens are written into the cache, not computed.
+        self.preloaded: set[str] = set()
 
     def step_time(self, plan: SchedulerOutput) -> float:
         if plan.is_empty:
@@ -60,6 +63,9 @@ class SimExecutor:
         tokens = kv_tokens = pairs = 0
         for item in plan.scheduled:
             n, done = item.num_new_tokens, item.request.num_computed_tokens
+            if n > 1 and item.request.request_id in self.preloaded:
+                kv_tokens += n                   # receive the KV; compute only the last token
+                n, done = 1, done + n - 1
             tokens += n
             kv_tokens += done + n                # attention reads the whole context
             pairs += n * done + n * (n + 1) // 2  # each new token attends to all before it
@@ -77,6 +83,7 @@ class SimOutput:
     spec: RequestSpec
     metrics: RequestMetrics
     finish_reason: str | None
+    replica: int | None = None       # which replica served it (tinyserve.cluster)
 
 
 @dataclass
@@ -114,7 +121,44 @@ class SimResult:
         s["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         s["num_preemptions"] = self.num_preemptions
         s["unfinished"] = self.unfinished
+        s.update(_load_stats(self))
         return s
+
+
+def _load_stats(result: "SimResult") -> dict[str, float]:
+    """Summary keys that ``metrics.diagnose`` reads to tell queueing from slow steps.
+
+    * ``mean_queue_time``: arrival → first scheduled step, over completed requests.
+    * ``arrival_rate``: offered requests per second over the arrival window.
+    * ``queue_growth_rate``: least-squares slope of the waiting-queue length against
+      time while requests still arrive (requests/s): ~0 below capacity, about
+      arrival rate - service rate above it.
+    * ``mean_kv_usage``: mean fraction of KV blocks in use over busy steps.
+    * ``prefill_token_share``: prefill tokens / all scheduled tokens.
+    """
+    nan = float("nan")
+    queue = [m.queue_time for m in result.metrics
+             if m.finished_time is not None and m.queue_time is not None]
+    arrivals = sorted(o.spec.arrival for o in result.outputs)
+    span = arrivals[-1] - arrivals[0] if arrivals else 0.0
+    window = [(st.start, st.num_waiting) for st in result.steps if arrivals and st.start <= arrivals[-1]]
+    growth = 0.0
+    if len(window) >= 2:
+        t = [w[0] for w in window]
+        q = [w[1] for w in window]
+        t_mean, q_mean = sum(t) / len(t), sum(q) / len(q)
+        var = sum((x - t_mean) ** 2 for x in t)
+        if var > 0:
+            growth = sum((x - t_mean) * (y - q_mean) for x, y in zip(t, q)) / var
+    busy = [st for st in result.steps if st.num_scheduled_tokens]
+    scheduled = sum(st.num_scheduled_tokens for st in busy)
+    return {
+        "mean_queue_time": sum(queue) / len(queue) if queue else nan,
+        "arrival_rate": (len(arrivals) - 1) / span if span > 0 else float("inf"),
+        "queue_growth_rate": growth,
+        "mean_kv_usage": sum(st.kv_usage for st in busy) / len(busy) if busy else 0.0,
+        "prefill_token_share": sum(st.num_prefill_tokens for st in busy) / scheduled if scheduled else 0.0,
+    }
 
 
 def default_num_kv_blocks(hardware: HardwareSpec, model: ModelSpec, dtype: str, block_size: int,
@@ -137,96 +181,140 @@ def _resolve(hardware, model) -> tuple[HardwareSpec, ModelSpec]:
     return hardware, model
 
 
+class SimEngine:
+    """One simulated replica: the engine's scheduler and block manager on its own clock.
+
+    ``add`` queues a request; ``advance_to(t)`` runs steps until the replica is
+    idle or its clock reaches ``t`` (a step that starts before ``t`` runs to its
+    end, as on a real GPU). ``simulate`` drives one; ``tinyserve.cluster`` many.
+    """
+
+    def __init__(self, hardware: HardwareSpec, model: ModelSpec, dtype: str = "fp16", *,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
+                 num_kv_blocks: int | None = None, batching: str = "continuous",
+                 policy: str | Policy = "fcfs", enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = False, max_model_len: int = 4096,
+                 overhead: float = 0.0, output_len_hint: bool = False,
+                 record_batches: bool = False, check_invariants: bool = False):
+        self.config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, batching=batching, policy=policy,
+            enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len)
+        if num_kv_blocks is None:
+            num_kv_blocks = default_num_kv_blocks(hardware, model, dtype, block_size)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.executor = SimExecutor(hardware, model, dtype, overhead)
+        self.hardware, self.model, self.dtype = hardware, model, dtype
+        self.output_len_hint = output_len_hint
+        self.record_batches, self.check_invariants = record_batches, check_invariants
+        self.clock = 0.0
+        self.steps: list[StepStats] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def check_fits(self, spec: RequestSpec, request_id: str) -> None:
+        config, total = self.config, spec.prompt_len + spec.output_len
+        if total > config.max_model_len:
+            raise ValueError(f"request {request_id}: prompt_len + output_len = {total} exceeds "
+                             f"max_model_len={config.max_model_len}")
+        need, have = blocks_for(total, config.block_size), self.block_manager.num_blocks
+        if need > have:
+            raise ValueError(f"request {request_id} needs {need} KV blocks "
+                             f"but the cache has only num_kv_blocks={have}")
+        if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
+            raise ValueError(f"request {request_id} of {total} tokens exceeds max_num_batched_tokens="
+                             f"{config.max_num_batched_tokens}; enable_chunked_prefill or raise the budget")
+
+    def add(self, spec: RequestSpec, request_id: str, token_ids: list[int] | None = None,
+            arrival: float | None = None, output_len: int | None = None) -> Request:
+        """Queue a request (``token_ids`` default to the workload's deterministic prompt)."""
+        output_len = spec.output_len if output_len is None else output_len
+        request = Request(request_id,
+                          prompt_token_ids(spec, int(request_id)) if token_ids is None else token_ids,
+                          SamplingParams(max_tokens=output_len, ignore_eos=True),
+                          arrival_time=spec.arrival if arrival is None else arrival,
+                          priority=spec.priority,
+                          output_len_hint=output_len if self.output_len_hint else None)
+        request.queued_time = request.arrival_time
+        if not self.scheduler.has_unfinished_requests():
+            self.clock = max(self.clock, request.arrival_time)    # an idle replica waits
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> list[Request]:
+        """Run one step at the replica's clock; return the requests it finished."""
+        plan = self.scheduler.schedule(self.clock)
+        if plan.is_empty and not plan.preempted:
+            raise RuntimeError("simulation stalled: requests wait but nothing can be scheduled")
+        duration = self.executor.step_time(plan)
+        start, self.clock = self.clock, self.clock + duration
+        finished = self.scheduler.update(plan, self.executor.execute(plan), self.clock)
+        self.steps.append(_step_stats(plan, start, duration, self.block_manager, self.record_batches))
+        if self.check_invariants:
+            self.block_manager.check_integrity()
+        return finished
+
+    def advance_to(self, t: float) -> list[Request]:
+        finished = []
+        while self.clock < t and self.scheduler.has_unfinished_requests():
+            finished += self.step()
+        return finished
+
+    def drain(self, max_time: float | None = None) -> list[Request]:
+        finished = self.advance_to(float("inf") if max_time is None else max_time)
+        if not self.scheduler.has_unfinished_requests() and self.block_manager.num_used_blocks:
+            raise RuntimeError(f"{self.block_manager.num_used_blocks} KV blocks still held "
+                               f"after the last request")
+        return finished
+
+    def result(self, specs: Sequence[RequestSpec]) -> "SimResult":
+        """Outputs in the order of ``specs`` (request ids are their indices)."""
+        outputs = []
+        for index, spec in enumerate(specs):
+            request = self.requests.get(str(index))
+            if request is None:          # never arrived before max_time
+                request = Request(str(index), [SIM_TOKEN], SamplingParams(max_tokens=spec.output_len),
+                                  arrival_time=spec.arrival)
+            outputs.append(SimOutput(str(index), spec, request_metrics(request), request.finish_reason))
+        unfinished = sum(1 for o in outputs if o.metrics.finished_time is None)
+        config = dict(hardware=self.hardware.name, model=self.model.name, dtype=self.dtype,
+                      **vars(self.config) | {"policy": self.scheduler.policy.name})
+        return SimResult(outputs, self.steps, self.block_manager.num_blocks,
+                         self.block_manager.prefix_cache_hit_rate, self.scheduler.num_preemptions,
+                         unfinished, config=config)
+
+
 def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A100_SXM_80GB",
              model: ModelSpec | str = LLAMA_7B, dtype: str = "fp16", *,
-             max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
-             num_kv_blocks: int | None = None, batching: str = "continuous",
-             policy: str | Policy = "fcfs", enable_chunked_prefill: bool = True,
-             enable_prefix_caching: bool = False, max_model_len: int = 4096,
-             overhead: float = 0.0, output_len_hint: bool = False,
-             max_time: float | None = None, record_batches: bool = False,
-             check_invariants: bool = False) -> SimResult:
+             max_time: float | None = None, **engine_kwargs) -> SimResult:
     """Serve ``requests`` on simulated ``hardware`` with the real scheduler.
 
-    Engine knobs have the engine's names and meanings. ``output_len_hint=True``
-    tells each request its true output length (an oracle for shortest-job-first).
-    ``max_time`` stops the clock early (an overloaded system never drains);
-    requests not finished by then are counted in ``unfinished``.
-    ``check_invariants`` audits every KV block after every step (slow; for tests).
+    ``engine_kwargs`` are ``SimEngine``'s: the engine's knobs with the engine's
+    names and meanings (max_num_seqs, max_num_batched_tokens, block_size,
+    num_kv_blocks, batching, policy, enable_chunked_prefill,
+    enable_prefix_caching, max_model_len), plus ``overhead`` (seconds added to
+    every step), ``output_len_hint=True`` (tell each request its true output
+    length: an oracle for shortest-job-first), ``record_batches`` (keep every
+    step's batch) and ``check_invariants`` (audit every KV block after every
+    step; slow, for tests). ``max_time`` stops the clock early (an overloaded
+    system never drains); requests not finished by then count as ``unfinished``.
     """
     hardware, model = _resolve(hardware, model)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             block_size=block_size, batching=batching, policy=policy,
-                             enable_chunked_prefill=enable_chunked_prefill,
-                             max_model_len=max_model_len)
-    if num_kv_blocks is None:
-        num_kv_blocks = default_num_kv_blocks(hardware, model, dtype, block_size)
-    block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-    scheduler = Scheduler(config, block_manager)
-    executor = SimExecutor(hardware, model, dtype, overhead)
-
-    specs = sorted(enumerate(requests), key=lambda pair: pair[1].arrival)
-    for index, spec in specs:
-        _check_fits(spec, index, config, num_kv_blocks)
-
-    requests_by_index: dict[int, Request] = {}
-    steps: list[StepStats] = []
-    clock, next_arrival = 0.0, 0
-    while next_arrival < len(specs) or scheduler.has_unfinished_requests():
-        if not scheduler.has_unfinished_requests() and specs[next_arrival][1].arrival > clock:
-            clock = specs[next_arrival][1].arrival            # idle: jump to the next arrival
-        if max_time is not None and clock >= max_time:
-            break
-        while next_arrival < len(specs) and specs[next_arrival][1].arrival <= clock:
-            index, spec = specs[next_arrival]
-            request = Request(str(index), prompt_token_ids(spec, index),
-                              SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
-                              arrival_time=spec.arrival, priority=spec.priority,
-                              output_len_hint=spec.output_len if output_len_hint else None)
-            request.queued_time = spec.arrival
-            requests_by_index[index] = request
-            scheduler.add_request(request)
-            next_arrival += 1
-        plan = scheduler.schedule(clock)
-        if plan.is_empty and not plan.preempted:
-            if next_arrival == len(specs):
-                raise RuntimeError("simulation stalled: requests wait but nothing can be scheduled")
-            clock = max(clock, specs[next_arrival][1].arrival)
-            continue
-        duration = executor.step_time(plan)
-        start, clock = clock, clock + duration
-        scheduler.update(plan, executor.execute(plan), clock)
-        steps.append(_step_stats(plan, start, duration, block_manager, record_batches))
-        if check_invariants:
-            block_manager.check_integrity()
-    if not scheduler.has_unfinished_requests() and block_manager.num_used_blocks:
-        raise RuntimeError(f"{block_manager.num_used_blocks} KV blocks still held after the last request")
-
-    outputs = []
+    engine = SimEngine(hardware, model, dtype, **engine_kwargs)
     for index, spec in enumerate(requests):
-        request = requests_by_index.get(index)
-        if request is None:          # never arrived before max_time
-            request = Request(str(index), [SIM_TOKEN], SamplingParams(max_tokens=spec.output_len),
-                              arrival_time=spec.arrival)
-        outputs.append(SimOutput(str(index), spec, request_metrics(request), request.finish_reason))
-    unfinished = sum(1 for o in outputs if o.metrics.finished_time is None)
-    return SimResult(outputs, steps, num_kv_blocks, block_manager.prefix_cache_hit_rate,
-                     scheduler.num_preemptions, unfinished,
-                     config=dict(hardware=hardware.name, model=model.name, dtype=dtype,
-                                 **vars(config) | {"policy": scheduler.policy.name}))
-
-
-def _check_fits(spec: RequestSpec, index: int, config: SchedulerConfig, num_kv_blocks: int) -> None:
-    total = spec.prompt_len + spec.output_len
-    if total > config.max_model_len:
-        raise ValueError(f"request {index}: prompt_len + output_len = {total} exceeds "
-                         f"max_model_len={config.max_model_len}")
-    if blocks_for(total, config.block_size) > num_kv_blocks:
-        raise ValueError(f"request {index} needs {blocks_for(total, config.block_size)} KV blocks "
-                         f"but the cache has only num_kv_blocks={num_kv_blocks}")
-    if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
-        raise ValueError(f"request {index} of {total} tokens exceeds max_num_batched_tokens="
-                         f"{config.max_num_batched_tokens}; enable_chunked_prefill or raise the budget")
+        engine.check_fits(spec, str(index))
+    for index, spec in sorted(enumerate(requests), key=lambda pair: pair[1].arrival):
+        if max_time is not None and spec.arrival >= max_time:
+            break
+        engine.advance_to(spec.arrival)
+        engine.add(spec, str(index))
+    engine.drain(max_time)
+    return engine.result(requests)
 
 
 def _step_stats(plan: SchedulerOutput, start: float, duration: float, bm: BlockManager,
