@@ -362,11 +362,16 @@ def main(argv=None) -> None:
     from tinyserve import crossover
     cp = sub.add_parser("crossover", help="decode step time vs batch size: the roofline knee")
     crossover.add_arguments(cp)
+    from tinyserve import sim_bench
+    sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU, and its speed")
+    sim_bench.add_arguments(sp)
     args = parser.parse_args(argv)
     if args.bench == "kernels":
         kernels_main(args)
     elif args.bench == "crossover":
         crossover.main(args)
+    elif args.bench == "sim":
+        sim_bench.main(args)
 
 
 if __name__ == "__main__":

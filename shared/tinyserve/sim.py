@@ -69,6 +69,11 @@ class SimExecutor:
             tokens += n
             kv_tokens += done + n                # attention reads the whole context
             pairs += n * done + n * (n + 1) // 2  # each new token attends to all before it
+        return self.time_for(tokens, kv_tokens, pairs)
+
+    def time_for(self, tokens: int, kv_tokens: int, pairs: int) -> float:
+        """Roofline time of a step computing ``tokens`` new tokens, reading ``kv_tokens``
+        tokens of KV cache, with ``pairs`` (query, key) attention pairs."""
         memory = self.weight_time + kv_tokens * self.kv_time_per_token
         compute = tokens * self.compute_time_per_token + pairs * self.attention_time_per_pair
         return max(memory, compute) + self.overhead
