@@ -617,3 +617,312 @@ def tokenizer_vs_engine(concurrency, engine_rates, tokenizer_rate, ax=None,
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     return ax
+
+
+# ---- notebook 06: scheduling policies ----------------------------------------------
+
+def cdf(series, ax=None, title="CDF", xlabel="seconds", log=True, marks=None):
+    """Empirical CDFs, one line per label. ``series`` maps a label to values; ``marks``
+    maps a label to an x value drawn as a dotted vertical line (e.g. an SLO)."""
+    ax = _axes(ax, (5, 3.5))
+    for i, (label, values) in enumerate(series.items()):
+        v = np.sort(np.asarray([x for x in values if x is not None], dtype=float))
+        if v.size:
+            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=f"C{i}", lw=1.5, label=label)
+    for label, x in (marks or {}).items():
+        ax.axvline(x, color="gray", ls=":", lw=1)
+        ax.annotate(label, (x, 0.03), fontsize=7, color="gray", rotation=90, ha="right")
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=None, ax=None,
+                        title="Aging bounds the wait of long requests"):
+    """Max queue wait of long requests (left axis) and median TTFT of short ones (right
+    axis) against the aging rate; ``fcfs`` = (wait, ttft) drawn as horizontal lines;
+    ``predicted`` = (agings, waits) drawn dashed."""
+    ax = _axes(ax, (5.5, 3.5))
+    x = np.asarray(agings, dtype=float)
+    ax.plot(x, long_waits, "o-", color="C3", label="long: max queue wait")
+    if predicted is not None:
+        ax.plot(*predicted, "--", color="C3", alpha=0.6, label="long: predicted bound")
+    if fcfs is not None:
+        ax.axhline(fcfs[0], color="C3", ls=":", lw=1, label="long: FCFS")
+    ax.set_xscale("symlog", linthresh=max(1.0, float(np.min(x[x > 0])) if (x > 0).any() else 1.0))
+    ax.set_xlabel("aging (tokens of priority per second waited)")
+    ax.set_ylabel("max queue wait of long requests (s)", color="C3")
+    right = ax.twinx()
+    right.plot(x, np.asarray(short_ttfts) * 1e3, "s-", color="C0", label="short: median TTFT")
+    if fcfs is not None:
+        right.axhline(fcfs[1] * 1e3, color="C0", ls=":", lw=1, label="short: FCFS")
+    right.set_ylabel("median TTFT of short requests (ms)", color="C0")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="center right")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def metric_bars(labels, panels, axes=None, title=None):
+    """Side-by-side bar panels: ``panels`` maps a panel title to one value per label
+    (or to ``(measured, predicted)`` lists, the prediction drawn as a hollow bar)."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), dpi=90)
+    axes = np.atleast_1d(axes)
+    x = np.arange(len(labels))
+    for ax, (name, values) in zip(axes, panels.items()):
+        if isinstance(values, tuple):
+            measured, predicted = values
+            ax.bar(x - 0.2, measured, 0.4, color=[f"C{i}" for i in range(len(labels))], label="measured")
+            ax.bar(x + 0.2, predicted, 0.4, fill=False, edgecolor="k", hatch="//", label="predicted")
+            ax.legend(fontsize=7)
+        else:
+            measured = values
+            ax.bar(x, measured, 0.6, color=[f"C{i}" for i in range(len(labels))])
+        for xi, v in zip(x, measured):
+            ax.annotate(f"{v:.3g}", (xi - (0.2 if isinstance(values, tuple) else 0), v), ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(x, labels, rotation=20, fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    if title:
+        axes[0].figure.suptitle(title, fontsize=10)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def goodput_heatmap(table, policies, workloads, ax=None, title="Goodput under SLOs (requests/s)",
+                    fmt="{:.2f}"):
+    """``table[policy][workload]`` as a heatmap; each column's best policy is boxed."""
+    ax = _axes(ax, (1.6 * len(workloads) + 2, 0.5 * len(policies) + 1.5))
+    data = np.array([[table[p][w] for w in workloads] for p in policies], dtype=float)
+    # Colour each column by its own range: the workloads' absolute goodputs differ.
+    lo, hi = data.min(axis=0), data.max(axis=0)
+    scaled = (data - lo) / np.where(hi > lo, hi - lo, 1.0)
+    ax.imshow(scaled, cmap="YlGn", aspect="auto", vmin=-0.2, vmax=1.1)
+    for i in range(len(policies)):
+        for j in range(len(workloads)):
+            best = data[i, j] == hi[j]
+            ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=8,
+                    fontweight="bold" if best else "normal")
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
+    ax.set_yticks(range(len(policies)), policies, fontsize=8)
+    ax.set_title(title + "\n(colour: rank within each workload; bold: best)", fontsize=9)
+    return ax
+
+
+def scheduling_dashboard(result, label=None, axes=None, ttft_slo=None, tpot_slo=None):
+    """One simulated run at a glance: TTFT CDF, TPOT CDF, queue length over time.
+    ``result`` is a ``tinyserve.sim.SimResult`` (or a dict label -> SimResult to compare)."""
+    runs = result if isinstance(result, dict) else {label or result.config.get("policy", "run"): result}
+    if axes is None:
+        _, axes = plt.subplots(1, 3, figsize=(12, 3.3), dpi=90)
+    ttft = {k: [m.ttft for m in r.metrics if m.ttft is not None] for k, r in runs.items()}
+    tpot = {k: [m.tpot * 1e3 for m in r.metrics if m.tpot is not None] for k, r in runs.items()}
+    cdf(ttft, ax=axes[0], title="TTFT", xlabel="TTFT (s)",
+        marks={"SLO": ttft_slo} if ttft_slo else None)
+    cdf(tpot, ax=axes[1], title="TPOT", xlabel="TPOT (ms)",
+        marks={"SLO": tpot_slo * 1e3} if tpot_slo else None)
+    for i, (k, r) in enumerate(runs.items()):
+        axes[2].step([s.start for s in r.steps], [s.num_waiting for s in r.steps], where="post",
+                     color=f"C{i}", lw=1.2, label=k)
+    axes[2].set_xlabel("simulated time (s)")
+    axes[2].set_ylabel("requests waiting")
+    axes[2].set_title("Queue length", fontsize=10)
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=8)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def queue_vs_capacity(traces, predicted=None, ax=None, title="Queue length over time"):
+    """Measured queue length (solid) and the predicted (lambda - mu) line (dashed) per
+    arrival rate. ``traces`` / ``predicted`` map a label to ``(times_s, lengths)``."""
+    ax = _axes(ax, (5.5, 3.5))
+    for i, (label, (t, q)) in enumerate(traces.items()):
+        ax.step(t, q, where="post", color=f"C{i}", lw=1.3, label=f"simulated {label}")
+        if predicted and label in predicted:
+            ax.plot(*predicted[label], "--", color=f"C{i}", lw=2, alpha=0.7, label=f"predicted {label}")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("requests waiting")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+# ---- notebook 08: tuning order ------------------------------------------------------
+
+def plot_before_after(scenarios, before, after, ylabel, ax=None, slo=None, log=False,
+                      title="Before and after the fix", labels=("before", "after")):
+    """Paired bars, one pair per scenario: a metric before and after its fix (``slo``: a dashed line)."""
+    ax = _axes(ax, (6, 3.2))
+    x = np.arange(len(scenarios))
+    ax.bar(x - 0.2, before, 0.4, color="tab:red", alpha=0.8, label=labels[0])
+    ax.bar(x + 0.2, after, 0.4, color="tab:green", alpha=0.8, label=labels[1])
+    if slo is not None:
+        ax.axhline(slo, ls="--", color="black", lw=1, label="SLO")
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks(x, scenarios, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_waiting_queue(runs, ax=None, title="Waiting queue over time"):
+    """Waiting-queue length against time for each run; ``runs`` maps a label to its step stats."""
+    ax = _axes(ax, (5.5, 3.2))
+    for label, steps in runs.items():
+        ax.plot([s.start for s in steps], [s.num_waiting for s in steps], lw=1.2, label=label)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("requests waiting")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_itl_cdf(runs, ax=None, slo=None, title="Inter-token latency (CDF)"):
+    """Empirical CDF of inter-token gaps (seconds, shown in ms); ``runs`` maps a label to gaps."""
+    ax = _axes(ax, (5, 3.2))
+    for label, gaps in runs.items():
+        values = np.sort(np.asarray(gaps, dtype=float)) * 1e3
+        ax.plot(values, np.arange(1, len(values) + 1) / len(values), lw=1.5, label=label)
+    if slo is not None:
+        ax.axvline(slo * 1e3, ls="--", color="black", lw=1, label="TPOT SLO")
+    ax.set_xscale("log")
+    ax.set_xlabel("gap between two tokens (ms)")
+    ax.set_ylabel("share of gaps")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_capacity(labels, predicted, measured, arrival_rate, ax=None,
+                  title="Service capacity vs arrival rate"):
+    """Predicted and measured capacity (requests/s) per configuration against the arrival rate."""
+    ax = _axes(ax, (5.5, 3.2))
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, predicted, 0.4, color="tab:blue", alpha=0.5, label="predicted")
+    ax.bar(x + 0.2, measured, 0.4, color="tab:blue", label="measured")
+    ax.axhline(arrival_rate, color="tab:red", ls="--", lw=1.2, label=f"arrival rate {arrival_rate:g}/s")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("requests per second")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return ax
+
+
+# ---- notebook 07: engines and orchestration ----------------------------------------
+
+def routing_policy_bars(policies, hit_rates, mean_ttft_ms, predicted_hit=None, axes=None,
+                        title=None):
+    """Two panels per routing policy: prefix-cache hit rate (with predictions) and mean TTFT."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=90)
+    x = np.arange(len(policies))
+    colors = [f"C{i}" for i in range(len(policies))]
+    axes[0].bar(x, hit_rates, 0.6, color=colors, label="measured")
+    if predicted_hit is not None:
+        axes[0].plot(x, predicted_hit, "k_", ms=28, mew=2.5, label="predicted")
+        axes[0].legend(fontsize=8)
+    axes[0].set_ylabel("prefix-cache hit rate")
+    axes[0].set_ylim(0, 1)
+    axes[1].bar(x, mean_ttft_ms, 0.6, color=colors)
+    axes[1].set_ylabel("mean TTFT (ms)")
+    for ax in axes:
+        ax.set_xticks(x, policies, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    if title:
+        axes[0].figure.suptitle(title, fontsize=10)
+    return axes
+
+
+def routing_vs_replicas(num_replicas, series, predicted_hit=None, axes=None,
+                        title="Routing policies as the fleet grows (simulated A100s)"):
+    """Hit rate, mean TTFT and load imbalance against the number of replicas.
+
+    ``series`` maps a policy to ``{"hit_rate": [...], "mean_ttft_ms": [...], "load_imbalance": [...]}``;
+    ``predicted_hit`` maps a policy to one predicted hit rate per fleet size (dashed).
+    """
+    if axes is None:
+        _, axes = plt.subplots(1, 3, figsize=(12, 3.3), dpi=90)
+    keys = [("hit_rate", "prefix-cache hit rate"), ("mean_ttft_ms", "mean TTFT (ms)"),
+            ("load_imbalance", "max / min requests per replica")]
+    for i, (policy, values) in enumerate(series.items()):
+        for ax, (key, _) in zip(axes, keys):
+            ax.plot(num_replicas, values[key], "o-", color=f"C{i}", label=policy)
+        if predicted_hit and policy in predicted_hit:
+            axes[0].plot(num_replicas, predicted_hit[policy], "--", color=f"C{i}", alpha=0.7,
+                         label=f"{policy} (predicted)")
+    for ax, (_, label) in zip(axes, keys):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(num_replicas, [str(n) for n in num_replicas])
+        ax.set_xlabel("replicas")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=7)
+    axes[0].figure.suptitle(title, fontsize=10)
+    return axes
+
+
+def disaggregation_bars(labels, panels, axes=None, highlight=0,
+                        title="Colocated vs prefill/decode pools at equal GPU count"):
+    """One row of bar charts per workload: goodput, mean TTFT, mean TPOT for each split.
+
+    ``panels`` maps a workload name to ``{"goodput": [...], "mean_ttft_ms": [...],
+    "mean_tpot_ms": [...]}`` with one value per label; ``highlight`` is the label
+    index drawn in a darker colour (the colocated baseline).
+    """
+    rows = len(panels)
+    if axes is None:
+        _, axes = plt.subplots(rows, 3, figsize=(12, 2.9 * rows), dpi=90, squeeze=False)
+    x = np.arange(len(labels))
+    colors = ["0.3" if i == highlight else "C0" for i in range(len(labels))]
+    names = [("goodput", "goodput (req/s)"), ("mean_ttft_ms", "mean TTFT (ms)"),
+             ("mean_tpot_ms", "mean TPOT (ms)")]
+    for r, (workload, values) in enumerate(panels.items()):
+        for c, (key, ylabel) in enumerate(names):
+            ax = axes[r][c]
+            ax.bar(x, values[key], 0.65, color=colors)
+            ax.set_xticks(x, labels, fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+            if key == "mean_ttft_ms" and max(values[key]) > 20 * min(values[key]):
+                ax.set_yscale("log")
+            if c == 0:
+                ax.set_title(workload, fontsize=9, loc="left")
+    axes[0][0].figure.suptitle(title, fontsize=10)
+    return axes
+
+
+def kv_transfer_scatter(prompt_lens, predicted_ms, measured_ms, ax=None,
+                        title="Gap between token 1 and token 2 (disaggregated)"):
+    """Measured first-to-second-token gap against the predicted KV transfer time, by prompt length."""
+    ax = _axes(ax, (5, 3.5))
+    order = np.argsort(prompt_lens)
+    p = np.asarray(prompt_lens)[order]
+    ax.plot(p, np.asarray(predicted_ms)[order], "-", color="C3", lw=2,
+            label="predicted transfer: prompt x KV bytes / link")
+    ax.plot(prompt_lens, measured_ms, ".", color="black", ms=4, alpha=0.6, label="measured gap")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax

@@ -2,6 +2,8 @@
 
 A check cell passes when it ran without raising. Errors are allowed while
 running, so one failing exercise does not hide the score of the others.
+A check that measures something (lab 07's goodput) prints a line starting
+with ``score:``; the table shows the last such line of each check cell.
 """
 
 from dataclasses import dataclass
@@ -20,6 +22,10 @@ class CheckResult:
     name: str  # the check function called, or the cell's first line
     passed: bool
     error: str  # "" when passed
+    detail: str = ""  # the cell's last printed "score: ..." line, if any
+
+
+SCORE_PREFIX = "score:"
 
 
 def short_error(cell, limit=100):
@@ -30,6 +36,17 @@ def short_error(cell, limit=100):
             text = f"{out.get('ename', 'Error')}: {lines[0] if lines else ''}".rstrip(": ")
             return text if len(text) <= limit else text[: limit - 1] + "…"
     return ""
+
+
+def score_line(cell):
+    """The last line of the cell's printed output that starts with 'score:', or ''."""
+    found = ""
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream" and out.get("name") == "stdout":
+            for line in str(out.get("text", "")).splitlines():
+                if line.startswith(SCORE_PREFIX):
+                    found = line[len(SCORE_PREFIX):].strip()
+    return found
 
 
 def grade_notebook(path):
@@ -52,7 +69,7 @@ def grade_notebook(path):
         error = short_error(cell)
         if not error and cell.get("execution_count") is None:
             error = died or "not run"
-        results.append(CheckResult(index, name, not error, error))
+        results.append(CheckResult(index, name, not error, error, score_line(cell)))
     return results
 
 
@@ -64,6 +81,7 @@ def format_table(results):
     lines = [f"{'cell':>4}  {'check':<{width}}  result  error"]
     for r in results:
         lines.append(f"{r.index:>4}  {r.name:<{width}}  {'PASS' if r.passed else 'FAIL':<6}  {r.error}")
+    lines += [f"{r.index:>4}  {r.name:<{width}}  score: {r.detail}" for r in results if r.detail]
     passed = sum(r.passed for r in results)
     lines.append(f"score: {passed}/{len(results)}")
     return "\n".join(lines)
