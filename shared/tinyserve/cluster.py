@@ -27,7 +27,7 @@ from tinyserve.hardware import LLAMA_7B, HardwareSpec, ModelSpec, kv_bytes_per_t
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request
 from tinyserve.router import LeastOutstanding, RoutingPolicy, make_routing_policy
-from tinyserve.sim import SIM_TOKEN, SimEngine, SimOutput, _resolve
+from tinyserve.sim import SIM_TOKEN, SimEngine, SimOutput, _load_stats, _resolve, _step_summary
 from tinyserve.workload import RequestSpec, prompt_token_ids
 
 ARRIVAL, TRANSFER = 0, 1
@@ -66,6 +66,9 @@ class ClusterResult:
     def summary(self, ttft_slo: float | None = None, tpot_slo: float | None = None,
                 e2e_slo: float | None = None) -> dict[str, float]:
         s = summarize(self.metrics, ttft_slo=ttft_slo, tpot_slo=tpot_slo, e2e_slo=e2e_slo)
+        # Step keys are per replica (mean batch of one GPU, longest queue on one GPU).
+        s.update(_step_summary(self.steps))
+        s.update(_load_stats(self))
         s["num_replicas"] = len(self.engines)
         s["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         s["num_preemptions"] = sum(e.scheduler.num_preemptions for e in self.engines)
@@ -148,7 +151,6 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
             for engine in back:
                 engine.advance_to(t)
             replica = back_policy.choose((), [e.num_outstanding for e in back])
-            prefill = placed[rid][1]
             decoded[rid] = (num_front + replica, back[replica].add(
                 spec, rid, token_ids=keys[rid] + [SIM_TOKEN], arrival=t,
                 output_len=spec.output_len - 1))

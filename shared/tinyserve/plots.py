@@ -759,6 +759,27 @@ def queue_vs_capacity(traces, predicted=None, ax=None, title="Queue length over 
     return ax
 
 
+def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine (this CPU)"):
+    """Bars of engine vs simulator per metric (rows from ``sim_bench.fidelity``), errors on top."""
+    import numpy as np
+    ax = _axes(ax, (7, 3.2))
+    rows = [r for r in rows if r["metric"] != "steps"]
+    x = np.arange(len(rows))
+    engine = [1.0] * len(rows)
+    simulated = [r["simulator"] / r["engine"] for r in rows]
+    ax.bar(x - 0.2, engine, 0.4, label="real engine (= 1)")
+    ax.bar(x + 0.2, simulated, 0.4, label="simulator / engine")
+    for xi, r in zip(x, rows):
+        ax.text(xi + 0.2, r["simulator"] / r["engine"] + 0.02, f"{100 * r['error']:+.0f}%",
+                ha="center", fontsize=8)
+    ax.axhspan(0.8, 1.2, color="grey", alpha=0.15, label="within 20%")
+    ax.set_xticks(x, [r["metric"] for r in rows], fontsize=8)
+    ax.set_ylabel("ratio to the real engine")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    return ax
+
+
 # ---- notebook 08: tuning order ------------------------------------------------------
 
 def plot_before_after(scenarios, before, after, ylabel, ax=None, slo=None, log=False,
@@ -828,9 +849,9 @@ def plot_capacity(labels, predicted, measured, arrival_rate, ax=None,
 
 # ---- notebook 07: engines and orchestration ----------------------------------------
 
-def routing_policy_bars(policies, hit_rates, mean_ttft_ms, predicted_hit=None, axes=None,
-                        title=None):
-    """Two panels per routing policy: prefix-cache hit rate (with predictions) and mean TTFT."""
+def routing_policy_bars(policies, hit_rates, ttft_ms, predicted_hit=None, axes=None,
+                        title=None, ttft_label="mean TTFT (ms)"):
+    """Two panels per routing policy: prefix-cache hit rate (with predictions) and TTFT."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=90)
     x = np.arange(len(policies))
@@ -841,8 +862,8 @@ def routing_policy_bars(policies, hit_rates, mean_ttft_ms, predicted_hit=None, a
         axes[0].legend(fontsize=8)
     axes[0].set_ylabel("prefix-cache hit rate")
     axes[0].set_ylim(0, 1)
-    axes[1].bar(x, mean_ttft_ms, 0.6, color=colors)
-    axes[1].set_ylabel("mean TTFT (ms)")
+    axes[1].bar(x, ttft_ms, 0.6, color=colors)
+    axes[1].set_ylabel(ttft_label)
     for ax in axes:
         ax.set_xticks(x, policies, fontsize=8)
         ax.grid(alpha=0.3, axis="y")
@@ -880,13 +901,14 @@ def routing_vs_replicas(num_replicas, series, predicted_hit=None, axes=None,
     return axes
 
 
-def disaggregation_bars(labels, panels, axes=None, highlight=0,
+def disaggregation_bars(labels, panels, axes=None, highlight=0, ttft_slo_ms=None, tpot_slo_ms=None,
                         title="Colocated vs prefill/decode pools at equal GPU count"):
     """One row of bar charts per workload: goodput, mean TTFT, mean TPOT for each split.
 
     ``panels`` maps a workload name to ``{"goodput": [...], "mean_ttft_ms": [...],
     "mean_tpot_ms": [...]}`` with one value per label; ``highlight`` is the label
-    index drawn in a darker colour (the colocated baseline).
+    index drawn in a darker colour (the colocated baseline); the SLOs, when
+    given, are drawn as dashed lines.
     """
     rows = len(panels)
     if axes is None:
@@ -904,6 +926,10 @@ def disaggregation_bars(labels, panels, axes=None, highlight=0,
             ax.grid(alpha=0.3, axis="y")
             if key == "mean_ttft_ms" and max(values[key]) > 20 * min(values[key]):
                 ax.set_yscale("log")
+            slo = {"mean_ttft_ms": ttft_slo_ms, "mean_tpot_ms": tpot_slo_ms}.get(key)
+            if slo is not None:
+                ax.axhline(slo, color="C3", ls="--", lw=1.2, label="SLO")
+                ax.legend(fontsize=7)
             if c == 0:
                 ax.set_title(workload, fontsize=9, loc="left")
     axes[0][0].figure.suptitle(title, fontsize=10)

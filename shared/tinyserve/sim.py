@@ -118,16 +118,21 @@ class SimResult:
     def summary(self, ttft_slo: float | None = None, tpot_slo: float | None = None,
                 e2e_slo: float | None = None) -> dict[str, float]:
         s = summarize(self.metrics, ttft_slo=ttft_slo, tpot_slo=tpot_slo, e2e_slo=e2e_slo)
-        busy = [st for st in self.steps if st.num_scheduled_tokens]
-        s["num_steps"] = len(self.steps)
-        s["mean_step_time"] = (sum(st.duration for st in busy) / len(busy)) if busy else float("nan")
-        s["mean_batch_size"] = (sum(st.num_running for st in busy) / len(busy)) if busy else 0.0
-        s["max_queue_length"] = max((st.num_waiting for st in self.steps), default=0)
+        s.update(_step_summary(self.steps))
         s["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         s["num_preemptions"] = self.num_preemptions
         s["unfinished"] = self.unfinished
         s.update(_load_stats(self))
         return s
+
+
+def _step_summary(steps: list[StepStats]) -> dict[str, float]:
+    """Per-step keys of a summary (over one replica's steps, or every replica's)."""
+    busy = [st for st in steps if st.num_scheduled_tokens]
+    return {"num_steps": len(steps),
+            "mean_step_time": sum(st.duration for st in busy) / len(busy) if busy else float("nan"),
+            "mean_batch_size": sum(st.num_running for st in busy) / len(busy) if busy else 0.0,
+            "max_queue_length": max((st.num_waiting for st in steps), default=0)}
 
 
 def _load_stats(result: "SimResult") -> dict[str, float]:

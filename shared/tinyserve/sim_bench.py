@@ -143,7 +143,7 @@ def fidelity(preset: str = "cpu-bench", num_requests: int = 48, rate: float = 6.
         print(f"Simulator vs engine: {preset} on {spec.name}")
         print(f"  calibrated: {spec.memory_bandwidth / 1e9:.1f} GB/s, "
               f"{spec.flops['fp32'] / 1e9:.1f} GFLOP/s effective, overhead {overhead * 1e3:.1f} ms/step")
-        print(f"  calibration steps (tokens: measured / fitted ms): " + ", ".join(
+        print("  calibration steps (tokens: measured / fitted ms): " + ", ".join(
             f"{c['tokens']}: {1e3 * c['measured_s']:.0f}/{1e3 * c['fitted_s']:.0f}"
             for c in result["calibration"]))
         print(f"  workload: mixed x1/8, {num_requests} requests at {rate:g}/s, seed {seed}")
