@@ -11,7 +11,7 @@ PIP_ARGS ?=
 DIR ?= chapters
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test demo bench bench-gpu execute labs grade clean
+.PHONY: help venv install lab test demo bench bench-gpu bench-sim execute labs grade clean
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
@@ -19,6 +19,7 @@ help:
 	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.demo)"
 	@echo "make bench    fused vs unfused kernels on this machine, one table"
 	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
+	@echo "make bench-sim  the simulator against the real engine on this CPU, and its speed"
 	@echo "make execute  re-run all notebooks in chapters/ and solutions/ in place, rebuild labs/"
 	@echo "make labs     build labs/ from solutions/"
 	@echo "make grade NB=path/to/lab.ipynb   run a student's lab and print its score"
@@ -54,6 +55,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m tinyserve.bench kernels
+
+bench-sim: $(STAMP)
+	$(PY) -m tinyserve.bench sim
 
 # Run on a machine with a GPU; the notebooks show the stored file when there is none.
 bench-gpu: $(STAMP)
