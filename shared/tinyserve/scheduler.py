@@ -197,7 +197,7 @@ class SchedulerConfig:
         make_policy(self.policy)
 
 
-@dataclass
+@dataclass(slots=True)     # one per request per step: keep it light
 class ScheduledRequest:
     request: Request
     num_new_tokens: int           # tokens whose K/V this step computes
@@ -392,13 +392,14 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
         """Record the step's results; retire finished requests and free their blocks."""
         finished = []
+        bm = self.block_manager
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if self.block_manager.has_unhashed_full_blocks(request.request_id,
-                                                           request.num_computed_tokens):
-                self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
-                                                     request.num_computed_tokens)
+            if bm.enable_prefix_caching and bm.has_unhashed_full_blocks(
+                    request.request_id, request.num_computed_tokens):
+                bm.cache_full_blocks(request.request_id, request.all_token_ids,
+                                     request.num_computed_tokens)
             if not item.samples:
                 continue
             request.output_token_ids.append(sampled[request.request_id])
