@@ -72,8 +72,8 @@ class SimExecutor:
         return self.time_for(tokens, kv_tokens, pairs)
 
     def time_for(self, tokens: int, kv_tokens: int, pairs: int) -> float:
-        """Roofline time of a step computing ``tokens`` new tokens, reading ``kv_tokens``
-        tokens of KV cache, with ``pairs`` (query, key) attention pairs."""
+        """Time of a step computing ``tokens`` new tokens, reading ``kv_tokens`` tokens
+        of KV cache, with ``pairs`` (query, key) attention pairs: roofline + overhead."""
         memory = self.weight_time + kv_tokens * self.kv_time_per_token
         compute = tokens * self.compute_time_per_token + pairs * self.attention_time_per_pair
         return max(memory, compute) + self.overhead
