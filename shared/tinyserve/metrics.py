@@ -319,8 +319,9 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: floa
             evidence[spike_key] = spike
             if spike >= ITL_SPIKE and not free_capacity:
                 action += chunk_note
-        return Diagnosis("overload", "首字和出字都慢：先看队列长度，多半是过载"
-                         "(both TTFT and TPOT are slow: look at the queue first; most often the system is overloaded).",
+        return Diagnosis("overload", "首字和出字一起超标，队列在变长：请求来得比处理得快（过载）"
+                         "(TTFT and TPOT both miss and the queue grows: requests arrive faster than they "
+                         "are served).",
                          action, evidence, rest)
     if ttft_slow:
         share = None
