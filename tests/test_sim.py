@@ -184,3 +184,17 @@ def test_calibration_recovers_a_known_machine():
     floor = lambda ex: ex.weight_time + ex.overhead
     assert floor(fitted) == pytest.approx(floor(truth), rel=0.03)
     assert spec.memory_bandwidth <= 3e12
+
+
+def test_goodput_depends_on_the_policy_and_the_workload_shape():
+    # Above capacity with 64 seats: on short-in-long-out SJF serves more requests within
+    # the SLOs than FCFS; on long-in-short-out the token budget, not the queue order, decides.
+    slo = dict(ttft_slo=2.0, tpot_slo=0.05)
+    silo = make_workload("short-in-long-out", 500, rate=9.8, seed=3)
+    goodput = {p: simulate(silo, policy=p, max_num_seqs=64).summary(**slo)["goodput"]
+               for p in ("fcfs", "sjf", "prefill-first")}
+    assert goodput["sjf"] > 1.1 * goodput["fcfs"] > 1.1 * goodput["prefill-first"]
+    liso = make_workload("long-in-short-out", 500, rate=13.7, seed=3)
+    big = simulate(liso, max_num_seqs=64).summary(**slo)["goodput"]
+    small = simulate(liso, max_num_seqs=64, max_num_batched_tokens=1024).summary(**slo)["goodput"]
+    assert small > 10 * big
