@@ -89,9 +89,8 @@ class BlockManager:
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that the request's table covers ``num_tokens`` tokens."""
-        table = self.block_tables.get(request_id)
-        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
-        return need if need > 0 else 0
+        have = len(self.block_tables.get(request_id, ()))
+        return max(0, blocks_for(num_tokens, self.block_size) - have)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         return self.num_new_blocks_needed(request_id, num_tokens) <= self.num_free_blocks
@@ -170,9 +169,6 @@ class BlockManager:
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to cover ``num_tokens`` tokens; return the new block ids."""
         need = self.num_new_blocks_needed(request_id, num_tokens)
-        if not need:
-            self.block_tables.setdefault(request_id, [])
-            return []
         if need > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: request {request_id!r} needs {need}, "
                                f"{self.num_free_blocks} free (the scheduler should have preempted)")

@@ -396,8 +396,7 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if bm.enable_prefix_caching and bm.has_unhashed_full_blocks(
-                    request.request_id, request.num_computed_tokens):
+            if bm.has_unhashed_full_blocks(request.request_id, request.num_computed_tokens):
                 bm.cache_full_blocks(request.request_id, request.all_token_ids,
                                      request.num_computed_tokens)
             if not item.samples:
