@@ -166,3 +166,35 @@ def test_static_batch_members_waiting_for_budget_look_up_the_cache_once():
     assert all(r.num_cached_tokens == 24 for r in requests)
     bm = engine.block_manager
     assert bm.num_queried_tokens == sum(len(p) for p in prompts) + len(prompts[0])
+
+
+def test_duplicate_prompts_in_one_step_never_poison_the_chain_of_later_blocks():
+    # Two copies of one prompt compute the same blocks in the same step. A later
+    # prompt that starts with tokens 0-3 of their output must not find blocks that
+    # were hashed as if they were a prompt's first block (they hold KV of other
+    # positions). Greedy output must equal an engine without the cache.
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88]
+    for probe in range(3):
+        cached = LLM("tiny", seed=probe, block_size=4, num_kv_blocks=64)
+        plain = LLM("tiny", seed=probe, block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+        first = cached.generate([prompt, prompt], params)
+        cached.engine.block_manager.check_integrity()
+        follow_up = first[0].token_ids[:4] + [5, 6, 7]
+        got = cached.generate([follow_up], params)[0].token_ids
+        assert got == plain.generate([follow_up], params)[0].token_ids, f"probe {probe}"
+        cached.engine.block_manager.check_integrity()
+
+
+def test_integrity_check_catches_a_cached_block_whose_chain_is_broken():
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    bm.allocate("a", 4)
+    bm.cache_full_blocks("a", [1, 2, 3, 4], 4)
+    bm.check_integrity()
+    second = bm.blocks[bm.block_table("a")[1]]
+    second.parent_hash = None                 # as if block 1 were a prompt's first block
+    second.block_hash = hash((None, second.token_ids))
+    bm.cached = {bm.blocks[bm.block_table("a")[0]].block_hash: [bm.block_table("a")[0]],
+                 second.block_hash: [second.block_id]}
+    with pytest.raises(AssertionError, match="not chained"):
+        bm.check_integrity()

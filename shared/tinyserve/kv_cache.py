@@ -15,12 +15,28 @@ same blocks (refcount + 1) instead of computing them again. A hashed block whose
 refcount drops to zero stays in the free pool with its contents: it can still be
 found and reused until it is handed out for something else. The pool hands out
 the block that became free longest ago (LRU eviction).
+
+Invariants (``check_integrity`` checks every one):
+
+* every block is either in the free pool (refcount 0) or held, refcount =
+  the number of block tables holding it, so free + held = total;
+* a request's hashed blocks form one chain: its first block's parent is
+  ``None`` and block i's parent is block i-1's hash. The chain hash is kept per
+  request, so a block's hash never depends on whether its parent block was the
+  cached copy or a private one;
+* every cached block's parent prefix is itself cached (or it is a first block):
+  whatever a lookup can reach was computed at the positions its hash names.
+
+Two requests that compute the same prefix in the same step produce two copies
+of the same block; both are cached under the one hash, and a lookup takes the
+first. Evicting one copy leaves the other reachable.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass
@@ -54,8 +70,9 @@ class BlockManager:
         # Blocks with refcount 0, oldest-freed first (the front is evicted first).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
-        self.cached: dict[int, int] = {}            # prefix hash -> block id
-        self._num_hashed: dict[str, int] = {}       # request -> leading blocks already hashed
+        self.cached: dict[int, list[int]] = {}      # prefix hash -> block ids holding it
+        # request -> (leading blocks already hashed, hash of the last of them)
+        self._chain: dict[str, tuple[int, int | None]] = {}
         self.num_queried_tokens = 0                 # prefix-cache statistics
         self.num_hit_tokens = 0
 
@@ -84,6 +101,10 @@ class BlockManager:
         """Prompt tokens found in the cache / prompt tokens looked up."""
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
+    def cached_block_ids(self) -> list[int]:
+        """Every block that holds a cached prefix block, held or free, in id order."""
+        return sorted(b for ids in self.cached.values() for b in ids)
+
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
@@ -109,11 +130,10 @@ class BlockManager:
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
-            block_id = self.cached.get(h)
+            block_id = next((b for b in self.cached.get(h, ())
+                             if self.blocks[b].token_ids == tokens       # not a hash collision
+                             and self.blocks[b].parent_hash == parent), None)
             if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent_hash != parent:   # hash collision
                 break
             hits.append(block_id)
             parent = h
@@ -133,7 +153,7 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
         self.block_tables[request_id] = list(hits)
-        self._num_hashed[request_id] = len(hits)
+        self._chain[request_id] = (len(hits), self.blocks[hits[-1]].block_hash if hits else None)
         cached_tokens = len(hits) * self.block_size
         self.num_queried_tokens += num_prompt_tokens
         self.num_hit_tokens += cached_tokens
@@ -142,27 +162,31 @@ class BlockManager:
     def has_unhashed_full_blocks(self, request_id: str, num_computed: int) -> bool:
         """Would ``cache_full_blocks`` hash anything? (Cheap; saves building the token list.)"""
         return (self.enable_prefix_caching
-                and num_computed // self.block_size > self._num_hashed.get(request_id, 0))
+                and num_computed // self.block_size > self._chain.get(request_id, (0, None))[0])
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Hash the request's blocks that are now full and computed, so others can reuse them."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Hash the request's blocks that are now full and computed, so others can reuse them.
+
+        ``token_ids`` are the request's tokens (prompt then output); only the newly
+        full blocks are read.
+        """
         if not self.enable_prefix_caching:
             return
         table, bs = self.block_tables.get(request_id, []), self.block_size
-        start = self._num_hashed.get(request_id, 0)
+        start, parent = self._chain.get(request_id, (0, None))
         full = min(num_computed // bs, len(table))
-        parent = self.blocks[table[start - 1]].block_hash if start else None
         for i in range(start, full):
             block = self.blocks[table[i]]
+            if block.block_hash is not None:
+                raise AssertionError(f"block {block.block_id} of request {request_id!r} "
+                                     f"is hashed twice")
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
-            # If another request computed the same prefix in the same step, the
-            # first copy stays in the cache and this block stays private.
-            if block.block_hash is None and h not in self.cached:
-                block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
-                self.cached[h] = block.block_id
+            block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
+            self.cached.setdefault(h, []).append(block.block_id)
             parent = h
-        self._num_hashed[request_id] = max(start, full)
+        if full > start:
+            self._chain[request_id] = (full, parent)
 
     # ---- allocation ----------------------------------------------------------------
 
@@ -179,16 +203,22 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.ref_count == 0
             if block.block_hash is not None:                      # evict its cached prefix
-                del self.cached[block.block_hash]
-                block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+                self._uncache(block)
             block.ref_count = 1
             new.append(block_id)
         table.extend(new)
         return new
 
+    def _uncache(self, block: Block) -> None:
+        copies = self.cached[block.block_hash]
+        copies.remove(block.block_id)
+        if not copies:
+            del self.cached[block.block_hash]
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+
     def free(self, request_id: str) -> None:
         """Drop the request's claim on its blocks; a block is free once nobody holds it."""
-        self._num_hashed.pop(request_id, None)
+        self._chain.pop(request_id, None)
         # Release the tail first: the end of a sequence is the least likely part
         # to be shared, so it should be the first to be evicted.
         for block_id in reversed(self.block_tables.pop(request_id, [])):
@@ -213,11 +243,35 @@ class BlockManager:
             if (block.block_id in self.free_blocks) != (expected == 0):
                 raise AssertionError(f"block {block.block_id}: free-pool membership disagrees "
                                      f"with ref_count {block.ref_count}")
-            if block.block_hash is not None and self.cached.get(block.block_hash) != block.block_id:
-                raise AssertionError(f"block {block.block_id} is hashed but not in the cache map")
-        for h, block_id in self.cached.items():
-            if self.blocks[block_id].block_hash != h:
-                raise AssertionError(f"cache map entry for block {block_id} is stale")
+            if block.block_hash is not None:
+                if block.block_id not in self.cached.get(block.block_hash, ()):
+                    raise AssertionError(f"block {block.block_id} is hashed but not in the cache map")
+                if block.block_hash != chain_hash(block.parent_hash, block.token_ids):
+                    raise AssertionError(f"block {block.block_id}: its hash is not the hash of "
+                                         f"its parent and tokens")
+                if block.parent_hash is not None and block.parent_hash not in self.cached:
+                    raise AssertionError(f"block {block.block_id} is cached but its parent prefix "
+                                         f"is not: a lookup would reach KV of other positions")
+        for h, ids in self.cached.items():
+            if not ids or any(self.blocks[b].block_hash != h for b in ids):
+                raise AssertionError(f"cache map entry {h} is stale: blocks {ids}")
+        for request_id, (num_hashed, last_hash) in self._chain.items():
+            self._check_chain(request_id, num_hashed, last_hash)
         if len(self.free_blocks) + len(holders) != self.num_blocks:
             raise AssertionError(f"{len(self.free_blocks)} free + {len(holders)} used "
                                  f"!= {self.num_blocks} blocks")
+
+    def _check_chain(self, request_id: str, num_hashed: int, last_hash: int | None) -> None:
+        """The request's first ``num_hashed`` blocks are cached, each chained to the one before."""
+        table, parent = self.block_tables.get(request_id, []), None
+        if num_hashed > len(table):
+            raise AssertionError(f"request {request_id!r}: {num_hashed} hashed blocks "
+                                 f"but only {len(table)} in its table")
+        for i, block_id in enumerate(table[:num_hashed]):
+            block = self.blocks[block_id]
+            if block.block_hash is None or block.parent_hash != parent:
+                raise AssertionError(f"request {request_id!r}: block {i} (id {block_id}) is not "
+                                     f"chained to block {i - 1}'s hash")
+            parent = block.block_hash
+        if parent != last_hash:
+            raise AssertionError(f"request {request_id!r}: chain hash disagrees with its blocks")
