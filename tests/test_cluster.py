@@ -80,5 +80,5 @@ def test_bad_arguments():
         simulate_cluster(specs, disaggregated=(0, 2))
     with pytest.raises(ValueError, match="kv_link_bandwidth must be > 0"):
         simulate_cluster(specs, kv_link_bandwidth=0)
-    with pytest.raises(ValueError, match="exceeds max_model_len"):
+    with pytest.raises(ValueError, match="longer than the model's context"):
         simulate_cluster([RequestSpec(0.0, 5000, 2)])

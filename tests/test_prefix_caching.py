@@ -24,6 +24,11 @@ def shared_prefix_prompts(seed, groups=3, per_group=4, prefix_len=40, vocab=2045
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
+def slicer(tokens):
+    """What ``BlockManager.cache_full_blocks`` reads a request's tokens through."""
+    return lambda start, end: tokens[start:end]
+
+
 def run(prompts, **kwargs):
     llm = LLM("tiny", seed=0, **kwargs)
     outs = []
@@ -119,7 +124,7 @@ def test_readmission_after_preemption_reuses_its_own_blocks():
     bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     tokens = list(range(50, 63))                    # 13 tokens: 3 full blocks + 1
     bm.allocate("r", 13)
-    bm.cache_full_blocks("r", tokens, 13)
+    bm.cache_full_blocks("r", 13, slicer(tokens))
     table = bm.block_table("r")
     bm.free("r")                                    # preempted
     hits = bm.find_cached_prefix(tokens)
@@ -135,7 +140,7 @@ def test_lru_eviction_keeps_the_most_recently_freed_prefixes():
     old, new = [1, 2, 3], [7, 8, 9]
     for rid, tokens in (("old", old), ("new", new)):
         bm.allocate(rid, 3)
-        bm.cache_full_blocks(rid, tokens, 3)
+        bm.cache_full_blocks(rid, 3, slicer(tokens))
         bm.free(rid)
     assert len(bm.find_cached_prefix(old)) == 1 and len(bm.find_cached_prefix(new)) == 1
     bm.allocate("x", 4)            # takes the two least recently freed blocks: "old"'s
@@ -147,7 +152,7 @@ def test_lru_eviction_keeps_the_most_recently_freed_prefixes():
 def test_prefix_caching_off_caches_nothing():
     bm = BlockManager(num_blocks=4, block_size=2)
     bm.allocate("r", 4)
-    bm.cache_full_blocks("r", [1, 2, 3, 4, 5], 4)
+    bm.cache_full_blocks("r", 4, slicer([1, 2, 3, 4, 5]))
     bm.free("r")
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [] and not bm.cached
 
@@ -189,7 +194,7 @@ def test_duplicate_prompts_in_one_step_never_poison_the_chain_of_later_blocks():
 def test_integrity_check_catches_a_cached_block_whose_chain_is_broken():
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     bm.allocate("a", 4)
-    bm.cache_full_blocks("a", [1, 2, 3, 4], 4)
+    bm.cache_full_blocks("a", 4, slicer([1, 2, 3, 4]))
     bm.check_integrity()
     second = bm.blocks[bm.block_table("a")[1]]
     second.parent_hash = None                 # as if block 1 were a prompt's first block

@@ -122,10 +122,16 @@ def test_goodput_counts_requests_within_the_slos():
     assert 0 < met < 200
 
 
+def test_a_request_longer_than_the_context_stops_at_max_model_len_as_in_the_engine():
+    [out] = simulate([RequestSpec(0.0, 4000, 200)], max_model_len=4096)
+    assert out.finish_reason == "length"
+    assert out.metrics.num_output_tokens == 96
+
+
 def test_bad_input_raises_clear_errors():
-    with pytest.raises(ValueError, match="exceeds max_model_len=4096"):
-        simulate([RequestSpec(0.0, 4000, 200)])
-    with pytest.raises(ValueError, match="needs 7 KV blocks but the cache has only num_kv_blocks=5"):
+    with pytest.raises(ValueError, match=r"longer than the model's context \(max_model_len=4096\)"):
+        simulate([RequestSpec(0.0, 5000, 2)])
+    with pytest.raises(ValueError, match=r"needs 7 KV blocks \(102 tokens\) but the cache has only num_kv_blocks=5"):
         simulate([RequestSpec(0.0, 100, 2)], num_kv_blocks=5)
     with pytest.raises(ValueError, match="unknown hardware preset"):
         simulate([RequestSpec(0.0, 10, 2)], hardware="TPU")

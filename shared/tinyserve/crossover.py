@@ -233,10 +233,10 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
         params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
         for i in range(batch):
             engine.add_request([(31 * i + 7 * j + batch) % 2000 + 10 for j in range(prompt_len)], params)
-        first = len(engine.step_stats)
+        first = engine.core.num_steps
         while engine.has_unfinished_requests():
             engine.step()
-        durations = [s.duration for s in engine.step_stats[first:]
+        durations = [s.duration for s in engine.core.steps_since(first)
                      if s.num_decode_tokens == batch and s.num_prefill_tokens == 0]
         return statistics.median(durations)
 

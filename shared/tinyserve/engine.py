@@ -14,12 +14,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
 from tinyserve.executor import ModelExecutor
 from tinyserve.kv_cache import BlockManager, blocks_for
-from tinyserve.metrics import RequestMetrics, StepStats, request_metrics
+from tinyserve.metrics import RequestMetrics, request_metrics
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
 from tinyserve.request import Request, SamplingParams
-from tinyserve.scheduler import Scheduler, SchedulerConfig
+from tinyserve.scheduler import SchedulerConfig
 from tinyserve.tokenizer import ByteBPETokenizer, StreamDetokenizer, load_default_tokenizer
 
 TOKENIZER_FILE = "tinyserve_tokenizer.json"
@@ -31,13 +32,22 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]            # every output token so far
-    new_token_ids: list[int]        # the ones produced by this step (for streaming)
     finished: bool
     finish_reason: str | None
     request: Request = field(repr=False)
     text: str | None = None         # filled when finished
     new_text: str = ""              # printable text added by this step (streaming)
+    num_output_tokens: int = 0      # output length at this step
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token up to this step (copied when read: a streamed token costs O(1))."""
+        return self.request.output_token_ids[:self.num_output_tokens]
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """The token this step produced (for streaming)."""
+        return self.request.output_token_ids[self.num_output_tokens - 1:self.num_output_tokens]
 
     @property
     def metrics(self) -> RequestMetrics:
@@ -46,21 +56,27 @@ class RequestOutput:
 
 
 class LLMEngine:
+    """The real engine: tokenization and streaming text around ``core.EngineCore``
+    running ``ModelExecutor``. ``step_stats`` keeps the last ``step_stats_window`` steps."""
+
     def __init__(self, model: LlamaForServing, tokenizer: ByteBPETokenizer,
                  config: SchedulerConfig, num_kv_blocks: int, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False,
+                 step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW):
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model: vocab_size {model.config.vocab_size} is smaller than the "
                              f"tokenizer's {tokenizer.vocab_size}")
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.clock = clock
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
         self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed)
+        self.core = EngineCore(config, self.block_manager, self.executor, clock,
+                               step_stats_window=step_stats_window)
+        self.scheduler = self.core.scheduler
+        self.step_stats = self.core.step_stats
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, StreamDetokenizer] = {}
-        self.step_stats: list[StepStats] = []
         self._ids = itertools.count()
 
     # ---- input -------------------------------------------------------------------
@@ -85,19 +101,7 @@ class LLMEngine:
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject a request the engine could never finish, before it takes a seat."""
-        cfg = self.config
-        if num_prompt_tokens > cfg.max_model_len:
-            raise ValueError(f"prompt is {num_prompt_tokens} tokens, longer than the model's "
-                             f"context (max_model_len={cfg.max_model_len})")
-        total = min(num_prompt_tokens + params.max_tokens, cfg.max_model_len)
-        need = blocks_for(total, cfg.block_size)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the cache has "
-                             f"only num_kv_blocks={self.block_manager.num_blocks}")
-        if not cfg.enable_chunked_prefill and total > cfg.max_num_batched_tokens:
-            # Without chunking a prompt (or its recompute after preemption) must fit one step.
-            raise ValueError(f"request of up to {total} tokens exceeds max_num_batched_tokens="
-                             f"{cfg.max_num_batched_tokens}; enable_chunked_prefill or raise the budget")
+        self.core.check_fits(num_prompt_tokens, params.max_tokens)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -108,7 +112,6 @@ class LLMEngine:
         received = self.clock()
         ids = self.to_token_ids(prompt)          # tokenization happens here, on the CPU
         tokenized = self.clock()
-        self.check_fits(len(ids), params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -118,22 +121,20 @@ class LLMEngine:
                           eos_token_id=self.tokenizer.eos_token_id, priority=priority)
         request.tokenize_time = tokenized - received
         request.queued_time = tokenized
+        self.core.add_request(request)            # raises if it could never finish
         self.requests[request_id] = request
         self._detokenizers[request_id] = StreamDetokenizer(self.tokenizer)
-        self.scheduler.add_request(request)
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        request = self.scheduler.abort(request_id, self.clock())
-        if request is None:
+        if self.core.abort(request_id) is None:
             return False
-        self.executor.release(request_id)
         del self.requests[request_id]
         del self._detokenizers[request_id]
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     @property
     def num_waiting(self) -> int:
@@ -146,35 +147,15 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Plan, run the model once, record results. Returns requests that advanced."""
-        start = self.clock()
-        plan = self.scheduler.schedule(start)
-        planned = self.clock()
-        self.executor.last_prepare_time = 0.0
-        sampled = self.executor.execute(plan)
-        ran = self.clock()
-        finished = self.scheduler.update(plan, sampled, ran)
-        outputs = [self._output(item.request, item.samples) for item in plan.scheduled]
-        for request in finished:
-            self.executor.release(request.request_id)
+        """One step of the core loop; returns the requests that emitted a token."""
+        result = self.core.step()
+        outputs = [self._output(item.request) for item in result.plan.scheduled if item.samples]
+        for request in result.finished:
             del self.requests[request.request_id]
             del self._detokenizers[request.request_id]
-        end = self.clock()
-        decode_tokens = sum(1 for s in plan.scheduled if s.is_decode)
-        self.step_stats.append(StepStats(
-            start=start, duration=end - start, schedule_time=(planned - start) + (end - ran),
-            prepare_time=self.executor.last_prepare_time,
-            num_running=plan.num_running, num_waiting=plan.num_waiting,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            num_prefill_tokens=plan.num_scheduled_tokens - decode_tokens,
-            num_decode_tokens=decode_tokens, num_preempted=len(plan.preempted),
-            num_used_blocks=self.block_manager.num_used_blocks, kv_usage=self.block_manager.usage,
-            batch=[(s.request.request_id, s.num_new_tokens) for s in plan.scheduled]))
-        return [o for o in outputs if o is not None]
+        return outputs
 
-    def _output(self, request: Request, sampled: bool) -> RequestOutput | None:
-        if not sampled:
-            return None     # a prefill chunk that produced no token yet
+    def _output(self, request: Request) -> RequestOutput:
         done = request.is_finished
         # Streaming detokenization: only whole characters leave, never half of one.
         started = self.clock()
@@ -186,11 +167,9 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            new_token_ids=request.output_token_ids[-1:],
-            finished=done, finish_reason=request.finish_reason,
-            request=request,
-            text=detokenizer.text if done else None, new_text=new_text)
+            finished=done, finish_reason=request.finish_reason, request=request,
+            text=detokenizer.text if done else None, new_text=new_text,
+            num_output_tokens=len(request.output_token_ids))
 
 
 # ---- the offline front door ---------------------------------------------------------

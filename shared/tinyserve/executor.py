@@ -30,6 +30,7 @@ class ModelExecutor:
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the sampled token of each request that emits one."""
+        self.last_prepare_time = 0.0
         if plan.is_empty:
             return {}
         started = time.perf_counter()
@@ -40,7 +41,7 @@ class ModelExecutor:
         for item in items:
             start = item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            ids.extend(item.request.all_token_ids[start:end])
+            ids.extend(item.request.token_ids_between(start, end))   # no prompt+output copy
             positions.extend(range(start, end))
             table = item.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclass
@@ -159,16 +159,12 @@ class BlockManager:
         self.num_hit_tokens += cached_tokens
         return cached_tokens
 
-    def has_unhashed_full_blocks(self, request_id: str, num_computed: int) -> bool:
-        """Would ``cache_full_blocks`` hash anything? (Cheap; saves building the token list.)"""
-        return (self.enable_prefix_caching
-                and num_computed // self.block_size > self._chain.get(request_id, (0, None))[0])
-
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(self, request_id: str, num_computed: int,
+                          token_ids_between: Callable[[int, int], Sequence[int]]) -> None:
         """Hash the request's blocks that are now full and computed, so others can reuse them.
 
-        ``token_ids`` are the request's tokens (prompt then output); only the newly
-        full blocks are read.
+        ``token_ids_between(start, end)`` returns the request's tokens at positions
+        [start, end); only newly full blocks are read, so a step costs O(new tokens).
         """
         if not self.enable_prefix_caching:
             return
@@ -180,7 +176,7 @@ class BlockManager:
             if block.block_hash is not None:
                 raise AssertionError(f"block {block.block_id} of request {request_id!r} "
                                      f"is hashed twice")
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids_between(i * bs, (i + 1) * bs))
             h = chain_hash(parent, tokens)
             block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
             self.cached.setdefault(h, []).append(block.block_id)

@@ -101,6 +101,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building prompt + output first
+        (a decode step reads one token: it must not copy the whole sequence)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
@@ -109,9 +119,6 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while the cache does not yet hold every known token but the last."""
         return self.num_tokens - self.num_computed_tokens > 1
-
-    def max_total_tokens(self, max_model_len: int) -> int:
-        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len)
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the newest output token, or None to go on."""

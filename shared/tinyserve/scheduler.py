@@ -396,9 +396,8 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if bm.has_unhashed_full_blocks(request.request_id, request.num_computed_tokens):
-                bm.cache_full_blocks(request.request_id, request.all_token_ids,
-                                     request.num_computed_tokens)
+            bm.cache_full_blocks(request.request_id, request.num_computed_tokens,
+                                 request.token_ids_between)
             if not item.samples:
                 continue
             request.output_token_ids.append(sampled[request.request_id])

@@ -25,12 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from tinyserve.core import EngineCore, VirtualClock
 from tinyserve.hardware import (HardwareSpec, ModelSpec, LLAMA_7B, MODELS, get_hardware,
                                 kv_bytes_per_token, weight_bytes)
-from tinyserve.kv_cache import BlockManager, blocks_for
+from tinyserve.kv_cache import BlockManager
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request, SamplingParams
-from tinyserve.scheduler import Policy, Scheduler, SchedulerConfig, SchedulerOutput
+from tinyserve.scheduler import Policy, SchedulerConfig, SchedulerOutput
 from tinyserve.workload import RequestSpec, prompt_token_ids
 
 # What the simulated model "samples": any id works, since every request runs for
@@ -39,13 +40,15 @@ SIM_TOKEN = 7
 
 
 class SimExecutor:
-    """Stands in for ``ModelExecutor``: prices a step instead of running it."""
+    """Stands in for ``ModelExecutor``: prices a step instead of running it, and moves
+    ``clock`` forward by that price (so the step ends when the hardware would finish it)."""
 
     def __init__(self, hardware: HardwareSpec, model: ModelSpec, dtype: str = "fp16",
-                 overhead: float = 0.0):
+                 overhead: float = 0.0, clock: VirtualClock | None = None):
         if overhead < 0:
             raise ValueError(f"overhead must be >= 0, got {overhead!r}")
         self.hardware, self.model, self.dtype = hardware, model, dtype
+        self.clock = VirtualClock() if clock is None else clock
         self.overhead = overhead
         bandwidth, peak = hardware.memory_bandwidth, hardware.peak_flops(dtype)
         self.weight_time = weight_bytes(model, dtype) / bandwidth
@@ -79,7 +82,11 @@ class SimExecutor:
         return max(memory, compute) + self.overhead
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        self.clock.advance(self.step_time(plan))
         return {item.request.request_id: SIM_TOKEN for item in plan.scheduled if item.samples}
+
+    def release(self, request_id: str) -> None:
+        self.preloaded.discard(request_id)
 
 
 @dataclass
@@ -192,7 +199,7 @@ def _resolve(hardware, model) -> tuple[HardwareSpec, ModelSpec]:
 
 
 class SimEngine:
-    """One simulated replica: the engine's scheduler and block manager on its own clock.
+    """One simulated replica: ``core.EngineCore`` running ``SimExecutor`` on its own clock.
 
     ``add`` queues a request; ``advance_to(t)`` runs steps until the replica is
     idle or its clock reaches ``t`` (a step that starts before ``t`` runs to its
@@ -213,31 +220,32 @@ class SimEngine:
         if num_kv_blocks is None:
             num_kv_blocks = default_num_kv_blocks(hardware, model, dtype, block_size)
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.executor = SimExecutor(hardware, model, dtype, overhead)
+        self.virtual_clock = VirtualClock()
+        self.executor = SimExecutor(hardware, model, dtype, overhead, self.virtual_clock)
+        # Every step is kept: the summaries need the whole run.
+        self.core = EngineCore(self.config, self.block_manager, self.executor, self.virtual_clock,
+                               step_stats_window=None, record_batches=record_batches,
+                               check_invariants=check_invariants)
+        self.scheduler = self.core.scheduler
+        self.steps = self.core.step_stats
         self.hardware, self.model, self.dtype = hardware, model, dtype
         self.output_len_hint = output_len_hint
-        self.record_batches, self.check_invariants = record_batches, check_invariants
-        self.clock = 0.0
-        self.steps: list[StepStats] = []
         self.requests: dict[str, Request] = {}
+
+    @property
+    def clock(self) -> float:
+        """This replica's time: the end of its last step, or its last idle arrival."""
+        return self.virtual_clock.now
 
     @property
     def num_outstanding(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def check_fits(self, spec: RequestSpec, request_id: str) -> None:
-        config, total = self.config, spec.prompt_len + spec.output_len
-        if total > config.max_model_len:
-            raise ValueError(f"request {request_id}: prompt_len + output_len = {total} exceeds "
-                             f"max_model_len={config.max_model_len}")
-        need, have = blocks_for(total, config.block_size), self.block_manager.num_blocks
-        if need > have:
-            raise ValueError(f"request {request_id} needs {need} KV blocks "
-                             f"but the cache has only num_kv_blocks={have}")
-        if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
-            raise ValueError(f"request {request_id} of {total} tokens exceeds max_num_batched_tokens="
-                             f"{config.max_num_batched_tokens}; enable_chunked_prefill or raise the budget")
+        try:
+            self.core.check_fits(spec.prompt_len, spec.output_len)
+        except ValueError as e:
+            raise ValueError(f"request {request_id}: {e}") from None
 
     def add(self, spec: RequestSpec, request_id: str, token_ids: list[int] | None = None,
             arrival: float | None = None, output_len: int | None = None) -> Request:
@@ -250,24 +258,15 @@ class SimEngine:
                           priority=spec.priority,
                           output_len_hint=output_len if self.output_len_hint else None)
         request.queued_time = request.arrival_time
-        if not self.scheduler.has_unfinished_requests():
-            self.clock = max(self.clock, request.arrival_time)    # an idle replica waits
+        if not self.scheduler.has_unfinished_requests():                # an idle replica waits
+            self.virtual_clock.now = max(self.virtual_clock.now, request.arrival_time)
+        self.core.add_request(request)
         self.requests[request_id] = request
-        self.scheduler.add_request(request)
         return request
 
     def step(self) -> list[Request]:
         """Run one step at the replica's clock; return the requests it finished."""
-        plan = self.scheduler.schedule(self.clock)
-        if plan.is_empty and not plan.preempted:
-            raise RuntimeError("simulation stalled: requests wait but nothing can be scheduled")
-        duration = self.executor.step_time(plan)
-        start, self.clock = self.clock, self.clock + duration
-        finished = self.scheduler.update(plan, self.executor.execute(plan), self.clock)
-        self.steps.append(_step_stats(plan, start, duration, self.block_manager, self.record_batches))
-        if self.check_invariants:
-            self.block_manager.check_integrity()
-        return finished
+        return self.core.step().finished
 
     def advance_to(self, t: float) -> list[Request]:
         finished = []
@@ -294,7 +293,7 @@ class SimEngine:
         unfinished = sum(1 for o in outputs if o.metrics.finished_time is None)
         config = dict(hardware=self.hardware.name, model=self.model.name, dtype=self.dtype,
                       **vars(self.config) | {"policy": self.scheduler.policy.name})
-        return SimResult(outputs, self.steps, self.block_manager.num_blocks,
+        return SimResult(outputs, list(self.steps), self.block_manager.num_blocks,
                          self.block_manager.prefix_cache_hit_rate, self.scheduler.num_preemptions,
                          unfinished, config=config)
 
@@ -325,16 +324,3 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
         engine.add(spec, str(index))
     engine.drain(max_time)
     return engine.result(requests)
-
-
-def _step_stats(plan: SchedulerOutput, start: float, duration: float, bm: BlockManager,
-                record_batches: bool) -> StepStats:
-    decode = sum(1 for s in plan.scheduled if s.is_decode)
-    tokens = plan.num_scheduled_tokens
-    return StepStats(start=start, duration=duration, schedule_time=0.0, prepare_time=0.0,
-                     num_running=plan.num_running, num_waiting=plan.num_waiting,
-                     num_scheduled_tokens=tokens, num_prefill_tokens=tokens - decode,
-                     num_decode_tokens=decode, num_preempted=len(plan.preempted),
-                     num_used_blocks=bm.num_used_blocks, kv_usage=bm.usage,
-                     batch=[(s.request.request_id, s.num_new_tokens) for s in plan.scheduled]
-                     if record_batches else [])

@@ -44,24 +44,24 @@ def measure_steps(llm, decode_batches=(2, 4, 8, 16, 32, 64), prefill_lens=(16, 6
     from tinyserve import SamplingParams
     engine, rows = llm.engine, []
     for batch in decode_batches:
-        first = len(engine.step_stats)
+        first = engine.core.num_steps
         for i in range(batch):
             engine.add_request([11 + i % 500] * context,
                                SamplingParams(max_tokens=steps + 1, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        times = [s.duration for s in engine.step_stats[first:]
+        times = [s.duration for s in engine.core.steps_since(first)
                  if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch]
         c = context + steps // 2 + 1         # a middle decode step's context
         rows.append((batch, batch * c, batch * c, statistics.median(times)))
     for n in prefill_lens:
         times = []
         for rep in range(3):
-            first = len(engine.step_stats)
+            first = engine.core.num_steps
             engine.add_request([13 + rep] * n, SamplingParams(max_tokens=1))
             while engine.has_unfinished_requests():
                 engine.step()
-            times.append(engine.step_stats[first].duration)
+            times.append(engine.core.steps_since(first)[0].duration)
         rows.append((n, n, n * (n + 1) // 2, statistics.median(times)))
     return rows
 

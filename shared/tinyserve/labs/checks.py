@@ -27,6 +27,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from tinyserve.core import EngineCore, VirtualClock
 from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
@@ -134,34 +135,53 @@ class Trace:
     num_preemptions: int
 
 
+class TraceExecutor:
+    """The fake model as an executor of ``core.EngineCore``; it also records, between
+    planning and the update, what the step looked like (the lab compares against it)."""
+
+    def __init__(self, w: Workload, specs: dict[str, Spec]):
+        self.w, self.specs = w, specs
+        self.scheduler: Scheduler | None = None
+        self.records: list[StepRecord] = []
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        sched, cfg = self.scheduler, self.w.config
+        if sched.waiting:
+            left = cfg.max_num_batched_tokens - plan.num_scheduled_tokens
+            self.w.binding.add("seats" if len(sched.running) >= cfg.max_num_seqs
+                               else "budget" if left == 0 else "blocks")
+        self.records.append(StepRecord(
+            [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled],
+            [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
+            sched.block_manager.num_free_blocks, []))
+        return {s.request.request_id: fake_token(self.specs[s.request.request_id],
+                                                 len(s.request.output_token_ids))
+                for s in plan.scheduled if s.samples}
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
 def engine_trace(w: Workload) -> Trace:
-    """Run the engine's Scheduler on a workload with the fake model; record every step."""
-    sched = Scheduler(w.config, BlockManager(w.num_blocks, w.config.block_size))
+    """Run the engine's own step loop on a workload with the fake model; record every step."""
     specs = {s.request_id: s for s in w.specs}
     requests = {rid: s.new_request() for rid, s in specs.items()}
+    executor, clock = TraceExecutor(w, specs), VirtualClock()     # time = the step's index
+    core = EngineCore(w.config, BlockManager(w.num_blocks, w.config.block_size), executor, clock)
+    executor.scheduler = core.scheduler
     pending = deque(w.specs)
-    steps = []
-    while pending or sched.has_unfinished_requests():
-        step = len(steps)
+    while pending or core.has_unfinished_requests():
+        step = len(executor.records)
+        clock.now = float(step)
         while pending and pending[0].arrival_step <= step:
-            sched.add_request(requests[pending.popleft().request_id])
-        plan = sched.schedule(float(step))
-        if sched.waiting:
-            left = w.config.max_num_batched_tokens - plan.num_scheduled_tokens
-            w.binding.add("seats" if len(sched.running) >= w.config.max_num_seqs
-                          else "budget" if left == 0 else "blocks")
-        record = StepRecord([(s.request.request_id, s.num_new_tokens) for s in plan.scheduled],
-                            [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
-                            sched.block_manager.num_free_blocks, [])
-        sampled = {s.request.request_id: fake_token(specs[s.request.request_id],
-                                                    len(s.request.output_token_ids))
-                   for s in plan.scheduled if s.samples}
-        record.finished = [r.request_id for r in sched.update(plan, sampled, float(step))]
-        steps.append(record)
-        if len(steps) > 10_000:
+            core.add_request(requests[pending.popleft().request_id])
+        result = core.step()
+        executor.records[-1].finished = [r.request_id for r in result.finished]
+        if step > 10_000:
             raise RuntimeError(f"engine did not finish workload {w.name}")
-    w.num_steps = len(steps)
-    return Trace(steps, {rid: r.output_token_ids for rid, r in requests.items()}, sched.num_preemptions)
+    w.num_steps = len(executor.records)
+    return Trace(executor.records, {rid: r.output_token_ids for rid, r in requests.items()},
+                 core.scheduler.num_preemptions)
 
 
 # ---- reference pieces (used to isolate the function under test) ---------------------
