@@ -51,6 +51,32 @@ def test_the_simulator_runs_the_engines_scheduler_step_for_step():
     assert result.num_preemptions == llm.engine.scheduler.num_preemptions > 0
 
 
+def test_the_simulator_equals_the_engine_step_for_step_with_prefix_caching():
+    # Shared prefixes around block boundaries, duplicate prompts admitted in the same
+    # step and a cache small enough to preempt: both run the same core loop, so the
+    # batches, the cache hits and the preemptions are the same.
+    from tinyserve.sim import SimEngine
+    preset = get_preset("tiny")
+    prefixes = [[5 + i for i in range(n)] for n in (7, 8, 9)]
+    prompts = [prefixes[k % 3] + [100 + k] * (k % 4) for k in range(9)]
+    prompts += [prompts[0], prompts[4], list(prefixes[1])]          # duplicates and a bare prefix
+    outputs = [3 + (k * 5) % 9 for k in range(len(prompts))]
+    knobs = dict(max_num_seqs=6, max_num_batched_tokens=32, block_size=4, num_kv_blocks=14,
+                 enable_prefix_caching=True)
+    llm = LLM("tiny", seed=0, **knobs)
+    llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in outputs])
+    sim = SimEngine(A100_SXM_80GB, ModelSpec.from_config(preset), record_batches=True,
+                    check_invariants=True, max_model_len=preset.max_position_embeddings, **knobs)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        sim.add(RequestSpec(0.0, len(prompt), out), str(i), token_ids=list(prompt))
+    sim.drain()
+    assert [s.batch for s in sim.steps] == [s.batch for s in llm.engine.step_stats]
+    assert sim.scheduler.num_preemptions == llm.engine.scheduler.num_preemptions > 0
+    hits = [r.cached_tokens_per_admission for r in sim.requests.values()]
+    assert any(sum(h) for h in hits)
+    assert sim.block_manager.num_hit_tokens == llm.engine.block_manager.num_hit_tokens
+
+
 def test_prefix_groups_hit_the_prefix_cache():
     specs = make_workload("shared-prefix", 200, rate=20.0, seed=1, num_prefix_groups=4)
     cold = simulate(specs, enable_prefix_caching=False).summary()
