@@ -10,9 +10,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tinyserve.client import iter_sse
-from tinyserve.router import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
-                              RoundRobin, build_router_app, compare_policies_async,
-                              make_routing_policy, shared_prefix_runs)
+from tinyserve.router import build_router_app, compare_policies_async, shared_prefix_runs
+from tinyserve.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
+                               RoundRobin, make_routing_policy)
 from tinyserve.server import free_port, launch_servers
 
 # ---- pure policies ----------------------------------------------------------------

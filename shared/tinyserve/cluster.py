@@ -3,7 +3,7 @@
 The orchestration layer above the engine, in the simulator. Every replica is a
 ``SimEngine`` (the engine's own scheduler and block manager on a roofline
 clock); a router sends each arriving request to one of them with the same
-``RoutingPolicy`` classes the HTTP router (``tinyserve.router``) uses.
+``tinyserve.routing`` policies the HTTP router (``tinyserve.router``) uses.
 
 Disaggregation splits the GPUs into a prefill pool and a decode pool. A request
 is prefilled on a prefill replica, which produces its first token; its KV cache
@@ -26,8 +26,9 @@ from typing import Sequence
 from tinyserve.hardware import LLAMA_7B, HardwareSpec, ModelSpec, kv_bytes_per_token
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request
-from tinyserve.router import LeastOutstanding, RoutingPolicy, make_routing_policy
-from tinyserve.sim import SIM_TOKEN, SimEngine, SimOutput, _load_stats, _resolve, _step_summary
+from tinyserve.routing import LeastOutstanding, RoutingPolicy, make_routing_policy
+from tinyserve.sim import (SIM_TOKEN, SimEngine, SimOutput, load_stats, resolve_hardware_and_model,
+                           step_summary)
 from tinyserve.workload import RequestSpec, prompt_token_ids
 
 ARRIVAL, TRANSFER = 0, 1
@@ -67,8 +68,8 @@ class ClusterResult:
                 e2e_slo: float | None = None) -> dict[str, float]:
         s = summarize(self.metrics, ttft_slo=ttft_slo, tpot_slo=tpot_slo, e2e_slo=e2e_slo)
         # Step keys are per replica (mean batch of one GPU, longest queue on one GPU).
-        s.update(_step_summary(self.steps))
-        s.update(_load_stats(self))
+        s.update(step_summary(self.steps))
+        s.update(load_stats(self))
         s["num_replicas"] = len(self.engines)
         s["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         s["num_preemptions"] = sum(e.scheduler.num_preemptions for e in self.engines)
@@ -86,7 +87,7 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
                      kv_link_bandwidth: float = 25e9, **engine_kwargs) -> ClusterResult:
     """Serve ``requests`` on ``num_replicas`` simulated GPUs behind a router.
 
-    ``routing``: a name in ``tinyserve.router.ROUTING_POLICIES`` or a policy
+    ``routing``: a name in ``tinyserve.routing.ROUTING_POLICIES`` or a policy
     object (``choose(key, outstanding) -> replica``); the key is the prompt's
     token ids. ``disaggregated=(P, D)``: P prefill and D decode replicas
     (``num_replicas`` is then ignored); the router places prefills, and decodes
@@ -94,7 +95,7 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
     bytes/s (25e9: a 200 Gb/s network link). ``engine_kwargs`` go to every
     ``SimEngine`` (the engine's knobs).
     """
-    hardware, model = _resolve(hardware, model)
+    hardware, model = resolve_hardware_and_model(hardware, model)
     if disaggregated is not None:
         if (len(disaggregated) != 2 or not all(isinstance(n, int) and n >= 1 for n in disaggregated)):
             raise ValueError(f"disaggregated must be (num_prefill, num_decode) with both >= 1, "

@@ -125,15 +125,15 @@ class SimResult:
     def summary(self, ttft_slo: float | None = None, tpot_slo: float | None = None,
                 e2e_slo: float | None = None) -> dict[str, float]:
         s = summarize(self.metrics, ttft_slo=ttft_slo, tpot_slo=tpot_slo, e2e_slo=e2e_slo)
-        s.update(_step_summary(self.steps))
+        s.update(step_summary(self.steps))
         s["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         s["num_preemptions"] = self.num_preemptions
         s["unfinished"] = self.unfinished
-        s.update(_load_stats(self))
+        s.update(load_stats(self))
         return s
 
 
-def _step_summary(steps: list[StepStats]) -> dict[str, float]:
+def step_summary(steps: list[StepStats]) -> dict[str, float]:
     """Per-step keys of a summary (over one replica's steps, or every replica's)."""
     busy = [st for st in steps if st.num_scheduled_tokens]
     return {"num_steps": len(steps),
@@ -142,7 +142,7 @@ def _step_summary(steps: list[StepStats]) -> dict[str, float]:
             "max_queue_length": max((st.num_waiting for st in steps), default=0)}
 
 
-def _load_stats(result: "SimResult") -> dict[str, float]:
+def load_stats(result: "SimResult") -> dict[str, float]:
     """Summary keys that ``metrics.diagnose`` reads to tell queueing from slow steps.
 
     * ``mean_queue_time``: arrival → first scheduled step, over completed requests.
@@ -188,7 +188,8 @@ def default_num_kv_blocks(hardware: HardwareSpec, model: ModelSpec, dtype: str, 
     return blocks
 
 
-def _resolve(hardware, model) -> tuple[HardwareSpec, ModelSpec]:
+def resolve_hardware_and_model(hardware, model) -> tuple[HardwareSpec, ModelSpec]:
+    """Specs from preset names (``"A100_SXM_80GB"``, ``"llama-7b"``) or specs as given."""
     if isinstance(hardware, str):
         hardware = get_hardware(hardware)
     if isinstance(model, str):
@@ -313,7 +314,7 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
     step; slow, for tests). ``max_time`` stops the clock early (an overloaded
     system never drains); requests not finished by then count as ``unfinished``.
     """
-    hardware, model = _resolve(hardware, model)
+    hardware, model = resolve_hardware_and_model(hardware, model)
     engine = SimEngine(hardware, model, dtype, **engine_kwargs)
     for index, spec in enumerate(requests):
         engine.check_fits(spec, str(index))

@@ -6,7 +6,7 @@ The student writes two functions:
   load guard, ``max - min > abs_threshold and max > rel_threshold * min``;
 * ``choose_replica(key, outstanding, trees, balance_abs_threshold=8,
   balance_rel_threshold=1.5, min_match_ratio=0.1) -> int``: the routing
-  decision over one ``tinyserve.router.PrefixTree`` per replica. Unless the
+  decision over one ``tinyserve.routing.PrefixTree`` per replica. Unless the
   fleet is imbalanced, the replica whose tree shares the longest prefix with
   ``key`` wins (equal matches: the less loaded; then the smaller index),
   provided the match covers at least ``min_match_ratio`` of the key; otherwise
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 
-from tinyserve.router import PrefixTree, RoutingPolicy
+from tinyserve.routing import PrefixTree, RoutingPolicy
 
 __all__ = ["FunctionPolicy", "check_is_imbalanced", "check_choose_replica",
            "check_routing_in_simulator"]
@@ -56,7 +56,7 @@ def _show_args(args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-# ---- the reference (independent of tinyserve.router.CacheAware, whose ties rotate) -------
+# ---- the reference (independent of tinyserve.routing.CacheAware, whose ties rotate) -------
 
 def _imbalanced(outstanding, abs_threshold, rel_threshold) -> bool:
     hi, lo = max(outstanding), min(outstanding)
