@@ -190,6 +190,7 @@ class LLM:
     ``max_num_seqs`` full-length requests, within ``kv_cache_memory`` bytes.
     ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
     (in Triton's interpreter when there is no GPU: correct, but slow).
+    ``step_stats_window``: how many recent steps ``engine.step_stats`` keeps.
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -199,6 +200,7 @@ class LLM:
                  policy: str = "fcfs", max_model_len: int | None = None,
                  dtype: str = "float32", device: str | None = None, kernels: str = "torch",
                  kv_cache_memory: int = 512 * 2**20,
+                 step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW,
                  clock: Callable[[], float] = time.perf_counter):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -223,7 +225,8 @@ class LLM:
         elif not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
         self.engine = LLMEngine(self.model, tokenizer, config, num_kv_blocks, seed=seed, clock=clock,
-                                enable_prefix_caching=enable_prefix_caching)
+                                enable_prefix_caching=enable_prefix_caching,
+                                step_stats_window=step_stats_window)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -349,7 +349,7 @@ class EngineLoop:
                 continue
             loop, queue = stream
             delta = Delta(out.new_text, list(out.new_token_ids), out.finished, out.finish_reason,
-                          len(out.prompt_token_ids), len(out.token_ids))
+                          len(out.prompt_token_ids), out.num_output_tokens)
             batches.setdefault(loop, []).append((queue, delta))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):      # the loop has closed (shutdown)
@@ -380,6 +380,7 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=Non
 # ---- HTTP --------------------------------------------------------------------------
 
 ENGINE_KEY = web.AppKey("engine_loop", EngineLoop)
+SERVER_STEP_STATS_WINDOW = 256
 MODEL_KEY = web.AppKey("model_name", str)
 
 
@@ -614,7 +615,8 @@ def serve(model: str = "tiny-zh", host: str = "127.0.0.1", port: int = 8000,
     if threads:
         import torch
         torch.set_num_threads(threads)
-    llm = LLM(model=model, **llm_kwargs)
+    # A long-lived server keeps counters for /metrics, not a history of every step.
+    llm = LLM(model=model, step_stats_window=SERVER_STEP_STATS_WINDOW, **llm_kwargs)
     app = build_app(llm.engine, served_model_name or model)
     print(f"tinyserve: serving {model!r} on http://{host}:{port} "
           f"({llm.engine.block_manager.num_blocks} KV blocks)", flush=True)
