@@ -16,7 +16,7 @@ DIR ?= chapters
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
 	@echo "make test     run every test: unit tests, notebooks (nbval), labs checks"
-	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.demo)"
+	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.book.demo)"
 	@echo "make bench    fused vs unfused kernels on this machine, one table"
 	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
 	@echo "make bench-sim  the simulator against the real engine on this CPU, and its speed"
@@ -51,7 +51,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
 
 demo: $(STAMP)
-	$(PY) -m tinyserve.demo
+	$(PY) -m tinyserve.book.demo
 
 bench: $(STAMP)
 	$(PY) -m tinyserve.bench kernels
@@ -64,7 +64,7 @@ bench-gpu: $(STAMP)
 	$(PY) -m tinyserve.bench kernels --out shared/tinyserve/data/bench_kernels_gpu.json
 
 execute: $(STAMP)
-	$(PY) -m tinyserve.notebooks execute chapters solutions
+	$(PY) -m tinyserve.book.notebooks execute chapters solutions
 	$(MAKE) labs
 
 labs: $(STAMP)

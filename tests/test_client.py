@@ -8,8 +8,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tinyserve import LLM
-from tinyserve.client import format_summary, iter_sse, run_benchmark
-from tinyserve.server import build_app
+from tinyserve.serving.client import format_summary, iter_sse, run_benchmark
+from tinyserve.serving.server import build_app
 from tinyserve.workload import RequestSpec, make_workload
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tinyserve.cluster import simulate_cluster
+from tinyserve.sim.cluster import simulate_cluster
 from tinyserve.hardware import LLAMA_7B, kv_bytes_per_token
-from tinyserve.routing import RoutingPolicy
+from tinyserve.sim.routing import RoutingPolicy
 from tinyserve.sim import simulate
 from tinyserve.workload import RequestSpec, make_workload
 

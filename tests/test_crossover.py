@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tinyserve import crossover as xo
+from tinyserve.bench import crossover as xo
 from tinyserve import hardware as hwm
 
 
@@ -89,7 +89,7 @@ def test_plots_and_widget_smoke():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tinyserve import plots
+    from tinyserve.book import plots
     left, right = plots.crossover_explorer(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16", 0)
     assert "153" in " ".join(t.get_text() for t in left.get_legend().get_texts())
     assert plots.crossover_with_context(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16", 0) == pytest.approx(
@@ -97,7 +97,7 @@ def test_plots_and_widget_smoke():
     assert plots.crossover_with_context(hwm.A100_SXM_80GB, hwm.LLAMA_7B, "fp16", 4096) > 153
     plt.close("all")
     pytest.importorskip("ipywidgets")
-    from tinyserve import widgets
+    from tinyserve.book import widgets
     box = widgets.crossover_calculator()
     assert box.children
     plt.close("all")

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from tinyserve.cluster import simulate_cluster
+from tinyserve.sim.cluster import simulate_cluster
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, crossover_batch
 from tinyserve.metrics import STAGES, Diagnosis, diagnose
 from tinyserve.sim import simulate

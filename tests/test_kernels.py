@@ -300,7 +300,7 @@ def test_gpu_benchmark_code_runs_on_cpu_at_tiny_sizes():
     # interpreter with a fake timer.
     if not K.HAS_TRITON:
         pytest.skip("Triton is not installed")
-    from tinyserve import bench
+    from tinyserve.bench import kernels as bench
     copy_gbps, rows = bench.bench_gpu(torch.float16, tokens=64, batch=2, contexts=(40,),
                                       device=DEVICE, timer=lambda fn: (fn(), 1e-3)[1],
                                       copy_bytes=1 << 20)

@@ -638,7 +638,7 @@ def test_lab03_chapter_figures():
 import codecs  # noqa: E402
 
 from tinyserve.labs import check_pending_start, check_stream_detokenizer, check_utf8_length  # noqa: E402
-from tinyserve.tokenizer import StreamDetokenizer, _pending_start  # noqa: E402
+from tinyserve.tokenizer import StreamDetokenizer, pending_start  # noqa: E402
 
 
 def ref_utf8_length(b):
@@ -751,7 +751,7 @@ class PrintsSpecials(StreamDetokenizer):
 
 def test_lab04_checks_pass_the_references(capsys):
     check_utf8_length(ref_utf8_length)
-    check_pending_start(_pending_start)
+    check_pending_start(pending_start)
     check_pending_start(incremental_pending_start)
     check_stream_detokenizer(StreamDetokenizer)
     check_stream_detokenizer(IncrementalDetokenizer)
@@ -782,7 +782,7 @@ def _no_second_byte_rule(data):
 
 @pytest.mark.parametrize("fn, hint", [
     (len, r"keep them pending"),
-    (lambda data: _pending_start(data) if data[-1:] < b"\x80" else max(0, len(data) - 1), r"settled"),
+    (lambda data: pending_start(data) if data[-1:] < b"\x80" else max(0, len(data) - 1), r"settled"),
     (_no_second_byte_rule, r"the second byte must be"),
     (lambda data: -1, r"return an int between 0 and len\(data\)"),
 ])

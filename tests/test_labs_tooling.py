@@ -12,7 +12,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 
 from tinyserve.labs.build import STUB, build_all, build_lab, check_all
 from tinyserve.labs.grade import format_table, grade_notebook
-from tinyserve.notebooks import WIDGET_VIEW, dumps, run, strip
+from tinyserve.book.notebooks import WIDGET_VIEW, dumps, run, strip
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,12 +16,17 @@ import tinyserve
 
 PACKAGE = Path(tinyserve.__file__).parent
 
-CORE = ["request", "kv_cache", "scheduler", "core", "executor", "model", "engine", "tokenizer",
-        "metrics", "hardware", "workload", "kernels"]
-SIM = ["sim", "cluster", "routing"]
-SERVING = ["server", "client", "router", "cli"]
-BOOK = ["plots", "widgets", "notebooks", "demo", "labs", "bench", "sim_bench", "crossover",
-        "replay", "train", "build_tokenizer"]
+# Top-level names of the package by layer; a layer may import only from the layers
+# before it in LAYERS (and from itself).
+CORE = ["request", "kv_cache", "scheduler", "policies", "core", "executor", "model", "engine",
+        "tokenizer", "metrics", "diagnose", "hardware", "workload", "kernels"]
+LAYERS = {"core": CORE, "sim": ["sim"], "serving": ["serving"], "bench": ["bench"],
+          "book": ["book"], "labs": ["labs"], "entry": ["cli", "__main__", "__init__"]}
+MAY_IMPORT = {"core": {"core"}, "sim": {"core", "sim"}, "serving": {"core", "sim", "serving"},
+              "bench": {"core", "sim", "serving", "bench"},
+              "book": {"core", "sim", "serving", "bench", "book"},
+              "labs": {"core", "sim", "serving", "bench", "book", "labs"},
+              "entry": set(LAYERS)}
 HTTP_LIBRARIES = ["aiohttp", "http", "urllib", "requests", "httpx", "socket"]
 
 
@@ -47,35 +52,42 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "tinyserve" or len(parts) < 2:
         return None
-    for layer, members in (("core", CORE), ("sim", SIM), ("serving", SERVING), ("book", BOOK)):
-        if parts[1] in members:
-            return layer
-    return None
+    return next((layer for layer, names in LAYERS.items() if parts[1] in names), None)
+
+
+def files_of(layer: str) -> list[Path]:
+    return [f for name in LAYERS[layer] for f in module_files(name) if f.exists()]
 
 
 def test_every_module_belongs_to_a_layer():
-    listed = set(CORE + SIM + SERVING + BOOK)
-    top = {p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    listed = {name for names in LAYERS.values() for name in names}
+    top = {p.stem for p in PACKAGE.glob("*.py")}
     top |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert top <= listed, f"modules with no layer: {sorted(top - listed)}"
 
 
-@pytest.mark.parametrize("name", CORE + SIM)
-def test_core_and_sim_import_nothing_from_serving_or_book_support(name):
-    for path in module_files(name):
-        bad = {m for m in imported_modules(path) if layer_of(m) in ("serving", "book")}
-        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_a_layer_imports_only_from_the_layers_below_it(layer):
+    for path in files_of(layer):
+        bad = {m for m in imported_modules(path)
+               if layer_of(m) is not None and layer_of(m) not in MAY_IMPORT[layer]}
+        assert not bad, f"{path.relative_to(PACKAGE)} ({layer}) imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("name", CORE + SIM)
-def test_core_and_sim_import_no_http_library(name):
-    for path in module_files(name):
+@pytest.mark.parametrize("layer", ["core", "sim"])
+def test_core_and_sim_import_no_http_library(layer):
+    for path in files_of(layer):
         bad = {m for m in imported_modules(path) if m.split(".")[0] in HTTP_LIBRARIES}
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("name", CORE)
-def test_core_imports_nothing_from_the_simulator(name):
-    for path in module_files(name):
-        bad = {m for m in imported_modules(path) if layer_of(m) == "sim"}
-        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+def test_private_names_are_never_imported_across_modules():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tinyserve"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                private += [part for part in node.module.split(".") if part.startswith("_")]
+                if private:
+                    found.append(f"{path.relative_to(PACKAGE)}: {private} from {node.module}")
+    assert not found, "private names imported across modules:\n" + "\n".join(found)

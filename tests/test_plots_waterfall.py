@@ -6,7 +6,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tinyserve import LLM, SamplingParams, plots  # noqa: E402
+from tinyserve import LLM, SamplingParams  # noqa: E402
+from tinyserve.book import plots
 
 
 def test_waterfall_draws_every_stage_of_a_chunked_request():

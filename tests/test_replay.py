@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.replay import poisson_arrivals, replay
+from tinyserve.serving.replay import poisson_arrivals, replay
 
 
 def random_prompts(n, seed, lo=1, hi=40, vocab=2045):

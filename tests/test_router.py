@@ -9,11 +9,11 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tinyserve.client import iter_sse
-from tinyserve.router import build_router_app, compare_policies_async, shared_prefix_runs
-from tinyserve.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
+from tinyserve.serving.client import iter_sse
+from tinyserve.serving.router import build_router_app, compare_policies_async, shared_prefix_runs
+from tinyserve.sim.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
                                RoundRobin, make_routing_policy)
-from tinyserve.server import free_port, launch_servers
+from tinyserve.serving.server import free_port, launch_servers
 
 # ---- pure policies ----------------------------------------------------------------
 

@@ -9,8 +9,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.client import iter_sse
-from tinyserve.server import (BadRequest, ServerProcess, build_app, parse_prometheus,
+from tinyserve.serving.client import iter_sse
+from tinyserve.serving.server import (BadRequest, ServerProcess, build_app, parse_prometheus,
                               parse_request, render_chat)
 
 SERVE_ARGS = ["serve", "--model", "tiny", "--seed", "0", "--threads", "1", "--max-num-seqs", "32"]

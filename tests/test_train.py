@@ -9,7 +9,7 @@ import torch
 from tinyserve import LLM, SamplingParams
 from tinyserve.model import PRESETS, LlamaForServing
 from tinyserve.tokenizer import load_default_tokenizer
-from tinyserve.train import (TRAIN_PRESETS, TRAINED_MODELS, causal_forward, corpus_texts,
+from tinyserve.book.train import (TRAIN_PRESETS, TRAINED_MODELS, causal_forward, corpus_texts,
                              init_model, lm_loss, lr_at, save, tokenize, train)
 
 
@@ -85,7 +85,7 @@ def test_corpus_is_the_projects_own_text():
 def test_shipped_tiny_zh_is_trained():
     path = TRAINED_MODELS["tiny-zh"]
     if not (path / "model.safetensors").exists():
-        pytest.skip("tiny-zh weights not built (python -m tinyserve.train)")
+        pytest.skip("tiny-zh weights not built (python -m tinyserve.book.train)")
     size = sum(f.stat().st_size for f in path.iterdir())
     assert size <= 20 * 2**20
     info = json.loads((path / "training.json").read_text())

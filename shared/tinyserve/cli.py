@@ -4,7 +4,7 @@
     tinyserve route --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 --policy cache_aware --port 8000
     tinyserve bench serve --url http://127.0.0.1:8000 --workload shared-prefix --rate 8 --num-requests 64
     tinyserve bench routing --num-replicas 3          # the routing policies compared, one table
-    tinyserve bench kernels | crossover ...            # same as python -m tinyserve.bench
+    tinyserve bench kernels | crossover | sim ...      # same as python -m tinyserve.bench
 
 ``python -m tinyserve ...`` is the same command.
 """
@@ -91,25 +91,26 @@ def _bench_routing_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `tinyserve bench kernels|crossover ...` belongs to tinyserve.bench.
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in ("kernels", "crossover"):
-        from tinyserve import bench
-        bench.main(argv[1:])
+    # `tinyserve bench kernels|crossover|sim ...` belongs to tinyserve.bench.
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in ("kernels", "crossover", "sim"):
+        from tinyserve.bench import main as bench_main
+        bench_main(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="tinyserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="OpenAI-compatible streaming server"))
     _route_args(sub.add_parser("route", help="streaming router over replicas"))
-    bench = sub.add_parser("bench", help="benchmarks: serve, routing (kernels, crossover)")
+    bench = sub.add_parser("bench", help="benchmarks: serve, routing (kernels, crossover, sim)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _bench_serve_args(bsub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     _bench_routing_args(bsub.add_parser("routing", help="routing policies over real replicas"))
     bsub.add_parser("kernels", help="see python -m tinyserve.bench kernels --help")
     bsub.add_parser("crossover", help="see python -m tinyserve.bench crossover --help")
+    bsub.add_parser("sim", help="see python -m tinyserve.bench sim --help")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        from tinyserve.server import serve
+        from tinyserve.serving.server import serve
         serve(model=args.model, host=args.host, port=args.port,
               served_model_name=args.served_model_name, threads=args.threads, seed=args.seed,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -117,11 +118,11 @@ def main(argv=None) -> None:
               enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
               device=args.device, dtype=args.dtype)
     elif args.command == "route":
-        from tinyserve.router import route
+        from tinyserve.serving.router import route
         replicas = [u for u in args.replicas.split(",") if u]
         route(replicas, args.policy, host=args.host, port=args.port, **_policy_kwargs(args))
     elif args.bench == "serve":
-        from tinyserve.client import benchmark, format_summary, save_result
+        from tinyserve.serving.client import benchmark, format_summary, save_result
         from tinyserve.workload import make_workload
         specs = make_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
                               seed=args.seed, burstiness=args.burstiness, max_len=args.max_len,
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
             print(f"wrote {args.out}")
     elif args.bench == "routing":
         import shlex
-        from tinyserve.router import bench_routing
+        from tinyserve.serving.router import bench_routing
         bench_routing(num_replicas=args.num_replicas, model=args.model,
                       replica_args=shlex.split(args.replica_args),
                       replicas=[u for u in (args.replicas or "").split(",") if u] or None,

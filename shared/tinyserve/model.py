@@ -72,7 +72,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-# Presets with trained weights shipped as package data (``python -m tinyserve.train``).
+# Presets with trained weights shipped as package data (``python -m tinyserve.book.train``).
 TRAINED_MODELS: dict[str, Path] = {"tiny-zh": Path(__file__).parent / "data" / "tiny-zh"}
 
 

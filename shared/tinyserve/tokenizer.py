@@ -309,7 +309,7 @@ def load_default_tokenizer() -> ByteBPETokenizer:
 # Streaming detokenization
 # ---------------------------------------------------------------------------
 
-def _lead_info(b: int) -> tuple[int, int, int]:
+def utf8_lead_info(b: int) -> tuple[int, int, int]:
     """(sequence length, lowest, highest allowed second byte) for a UTF-8 lead byte.
 
     Length 0 means `b` cannot start a multi-byte character. The narrower
@@ -333,7 +333,7 @@ def _lead_info(b: int) -> tuple[int, int, int]:
     return 0, 0, 0
 
 
-def _pending_start(data: bytes) -> int:
+def pending_start(data: bytes) -> int:
     """Where an unfinished-but-still-possible character starts at the end of `data`.
 
     Returns len(data) when nothing needs to wait. Everything before the
@@ -347,7 +347,7 @@ def _pending_start(data: bytes) -> int:
             break
     else:
         return n
-    need, lo, hi = _lead_info(data[start])
+    need, lo, hi = utf8_lead_info(data[start])
     have = n - start
     if have >= need:  # ASCII, invalid lead, or already long enough: settled
         return n
@@ -374,7 +374,7 @@ class StreamDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one id; return the text that became printable (maybe "")."""
         data = self._pending + self.tokenizer.token_bytes(token_id)
-        cut = _pending_start(data)
+        cut = pending_start(data)
         self._pending = data[cut:]
         piece = data[:cut].decode("utf-8", errors="replace")
         if piece:

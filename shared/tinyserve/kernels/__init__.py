@@ -32,7 +32,7 @@ Without Triton (macOS) everything imports; the ``*_triton`` functions raise
 ImportError when called.
 """
 
-from tinyserve.kernels._triton_setup import HAS_TRITON, interpreting  # first: sets TRITON_INTERPRET
+from tinyserve.kernels.triton_setup import HAS_TRITON, interpreting  # first: sets TRITON_INTERPRET
 from tinyserve.kernels.accounting import Step
 from tinyserve.kernels.add_rmsnorm import add_rmsnorm_steps, add_rmsnorm_triton, add_rmsnorm_unfused
 from tinyserve.kernels.paged_attention import (choose_num_splits, paged_decode_attention_steps,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tinyserve.kernels._triton_setup import (HAS_TRITON, cdiv, check_device, interpreting,
+from tinyserve.kernels.triton_setup import (HAS_TRITON, cdiv, check_device, interpreting,
                                              next_power_of_2, require_triton, tl, triton)
 from tinyserve.kernels.accounting import Step, check_variant, elem_size
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels._triton_setup import (HAS_TRITON, check_device, interpreting,
+from tinyserve.kernels.triton_setup import (HAS_TRITON, check_device, interpreting,
                                              require_triton, tl, triton)
 from tinyserve.kernels.accounting import Step, check_variant, elem_size
 

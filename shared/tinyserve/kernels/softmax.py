@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyserve.kernels._triton_setup import (HAS_TRITON, check_device, next_power_of_2,
+from tinyserve.kernels.triton_setup import (HAS_TRITON, check_device, next_power_of_2,
                                              num_warps_for, require_triton, rows_per_program,
                                              tl, triton)
 from tinyserve.kernels.accounting import Step, check_variant, elem_size, split_rows

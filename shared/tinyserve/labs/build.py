@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nbformat
 
-from tinyserve.notebooks import dumps, strip, write
+from tinyserve.book.notebooks import dumps, strip, write
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"

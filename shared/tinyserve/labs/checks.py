@@ -724,7 +724,7 @@ def check_end_to_end(retire, continuous_step, plot=True):
     if plot:
         import matplotlib.pyplot as plt
 
-        from tinyserve import plots
+        from tinyserve.book import plots
         fig, axes = plt.subplots(2, 1, figsize=(10, 4), dpi=90, sharex=True)
         plots.gantt(batches, ax=axes[0], num_seats=config["max_num_seqs"], title="your continuous batching")
         axes[0].set_xlabel("")
@@ -866,7 +866,7 @@ def _close(a, b, dtype) -> bool:
 def _run_student_kernel(kernel, x, res, w, eps, device):
     import torch
 
-    from tinyserve.kernels._triton_setup import next_power_of_2
+    from tinyserve.kernels.triton_setup import next_power_of_2
     m, n = x.shape
     sentinel = -1234.0
     xv, _ = _guarded(x, device, float("nan"))
@@ -942,7 +942,7 @@ def check_add_rmsnorm_kernel(kernel):
     """Launch the student's ``add_rmsnorm_kernel[(n_rows,)](...)`` on irregular shapes, fp32 and fp16."""
     import torch
 
-    from tinyserve.kernels._triton_setup import next_power_of_2
+    from tinyserve.kernels.triton_setup import next_power_of_2
 
     device = _kernel_device()
     gen = torch.Generator().manual_seed(2)
@@ -1622,7 +1622,7 @@ def check_utf8_length(utf8_length):
 
 def _settle_reason(data: bytes) -> tuple[str, str]:
     """Why all of ``data`` is settled (the reference returned len(data))."""
-    from tinyserve.tokenizer import _lead_info
+    from tinyserve.tokenizer import utf8_lead_info
     n = len(data)
     start = n
     for s in range(n - 1, max(n - 4, -1), -1):
@@ -1644,7 +1644,7 @@ def _settle_reason(data: bytes) -> tuple[str, str]:
         return (f"以 0x{lead:02X} 开头的 {need} 字节字符已经到齐了（或者它本身就是 ASCII）：完整的字符要立刻输出",
                 f"the {need}-byte character starting with 0x{lead:02X} is complete (or it is ASCII): "
                 f"emit complete characters at once")
-    lo, hi = _lead_info(lead)[1:]
+    lo, hi = utf8_lead_info(lead)[1:]
     sec = data[start + 1]
     return (f"首字节 0x{lead:02X} 之后的第二个字节必须在 0x{lo:02X}–0x{hi:02X} 之间，而这里是 0x{sec:02X}：这个字符已经"
             f"不可能合法了（超长编码、代理区或超出 U+10FFFF），Python 的解码器此时就输出 U+FFFD，你也要现在输出"
@@ -1679,8 +1679,8 @@ def _invalid_reason(data: bytes, skip_chars: int) -> tuple[str, str]:
                 f"0x{lead:02X} cannot start a character (utf8_length is 0): it is U+FFFD for good")
     nxt = data[end:end + 1]
     if end - start == 1 and nxt and 0x80 <= nxt[0] <= 0xBF:
-        from tinyserve.tokenizer import _lead_info
-        lo, hi = _lead_info(lead)[1:]
+        from tinyserve.tokenizer import utf8_lead_info
+        lo, hi = utf8_lead_info(lead)[1:]
         return (f"首字节 0x{lead:02X} 之后的第二个字节必须在 0x{lo:02X}–0x{hi:02X} 之间（second_byte_range），"
                 f"而这里是 0x{nxt[0]:02X}：超长编码、代理区或超出 U+10FFFF，这个字符不可能合法，现在就输出 U+FFFD",
                 f"after the lead byte 0x{lead:02X} the second byte must be 0x{lo:02X}-0x{hi:02X} "
@@ -1715,12 +1715,12 @@ def _pending_cases():
 
 def check_pending_start(pending_start):
     """Check ``pending_start(data)`` on every short byte string that matters, and on prefixes of real text."""
-    from tinyserve.tokenizer import _pending_start
+    from tinyserve.tokenizer import pending_start as reference_pending_start
     count = 0
     for data in _pending_cases():
         count += 1
         got = _call4(pending_start, "pending_start", f"pending_start({data!r})：", f"pending_start({data!r}): ", data)
-        want = _pending_start(data)
+        want = reference_pending_start(data)
         n = len(data)
         if got == _incremental_pending_start(data):   # CPython waits one byte longer after ED A0-BF
             continue

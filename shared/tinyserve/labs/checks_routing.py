@@ -6,7 +6,7 @@ The student writes two functions:
   load guard, ``max - min > abs_threshold and max > rel_threshold * min``;
 * ``choose_replica(key, outstanding, trees, balance_abs_threshold=8,
   balance_rel_threshold=1.5, min_match_ratio=0.1) -> int``: the routing
-  decision over one ``tinyserve.routing.PrefixTree`` per replica. Unless the
+  decision over one ``tinyserve.sim.routing.PrefixTree`` per replica. Unless the
   fleet is imbalanced, the replica whose tree shares the longest prefix with
   ``key`` wins (equal matches: the less loaded; then the smaller index),
   provided the match covers at least ``min_match_ratio`` of the key; otherwise
@@ -15,7 +15,7 @@ The student writes two functions:
 
 The checks call the functions on hand-made and random cases against a
 reference written out here, then run ``choose_replica`` inside the cluster
-simulator (``tinyserve.cluster.simulate_cluster``) against round-robin on a
+simulator (``tinyserve.sim.cluster.simulate_cluster``) against round-robin on a
 shared-prefix workload. Each failure raises ``AssertionError`` with a hint in
 Chinese and English.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 
-from tinyserve.routing import PrefixTree, RoutingPolicy
+from tinyserve.sim.routing import PrefixTree, RoutingPolicy
 
 __all__ = ["FunctionPolicy", "check_is_imbalanced", "check_choose_replica",
            "check_routing_in_simulator"]
@@ -56,7 +56,7 @@ def _show_args(args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-# ---- the reference (independent of tinyserve.routing.CacheAware, whose ties rotate) -------
+# ---- the reference (independent of tinyserve.sim.routing.CacheAware, whose ties rotate) -------
 
 def _imbalanced(outstanding, abs_threshold, rel_threshold) -> bool:
     hi, lo = max(outstanding), min(outstanding)
@@ -345,7 +345,7 @@ SIM_SETTINGS = dict(workload="shared-prefix", num_requests=400, rate=30.0, seed=
 
 def routing_comparison(choose_replica=None, **overrides):
     """Simulate round-robin, least-outstanding and (if given) ``choose_replica``; rows of metrics."""
-    from tinyserve.cluster import simulate_cluster
+    from tinyserve.sim.cluster import simulate_cluster
     from tinyserve.workload import make_workload
 
     s = {**SIM_SETTINGS, **overrides}
@@ -405,7 +405,7 @@ def check_routing_in_simulator(choose_replica, plot=True):
     if plot:
         import matplotlib.pyplot as plt
 
-        from tinyserve import plots
+        from tinyserve.book import plots
         plots.routing_policy_bars([r["policy"] for r in rows], [r["hit_rate"] for r in rows],
                                   [1e3 * r["mean_ttft"] for r in rows],
                                   title="4 simulated A100s, 16 groups x 1024-token prefix")

@@ -13,7 +13,7 @@ import nbformat
 from nbclient.exceptions import DeadKernelError
 
 from tinyserve.labs.build import check_name, is_check_cell
-from tinyserve.notebooks import run
+from tinyserve.book.notebooks import run
 
 
 @dataclass

@@ -357,7 +357,7 @@ def write_json(report: dict, path) -> Path:
 
 def load_stored(directory=None) -> list[dict]:
     """Every ``bench_crossover_*.json`` in ``tinyserve/data`` (or ``directory``), newest name first."""
-    directory = Path(directory) if directory else Path(__file__).with_name("data")
+    directory = Path(directory) if directory else Path(__file__).parents[1] / "data"
     return [json.loads(p.read_text()) for p in sorted(directory.glob("bench_crossover_*.json"), reverse=True)]
 
 

@@ -1,7 +1,7 @@
 """Train the ``tiny-zh`` model: a few million parameters on the project's own text.
 
-    python -m tinyserve.train                  # ~9 minutes on a 2-core CPU
-    python -m tinyserve.train --minutes 1 --out /tmp/tiny-zh
+    python -m tinyserve.book.train                  # ~9 minutes on a 2-core CPU
+    python -m tinyserve.book.train --minutes 1 --out /tmp/tiny-zh
 
 The corpus is text written for this project (``data/corpus/zh.txt`` and
 ``en.txt``) plus the markdown prose of the chapter notebooks. It is small
@@ -34,7 +34,7 @@ from tinyserve.model import (PRESETS, TRAINED_MODELS, LlamaForServing, ModelConf
                              rotary_cos_sin)
 from tinyserve.tokenizer import load_default_tokenizer
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parents[1] / "data"
 TOKENIZER_FILE = "tinyserve_tokenizer.json"     # same name as engine.TOKENIZER_FILE
 
 
@@ -91,7 +91,7 @@ def corpus_texts(include_notebooks: bool = True) -> dict[str, str]:
     """Every training text, by source: the corpus files and (optionally) notebook prose."""
     texts = {f"corpus/{p.name}": p.read_text(encoding="utf-8")
              for p in sorted((DATA_DIR / "corpus").glob("*.txt"))}
-    chapters = Path(__file__).resolve().parents[2] / "chapters"
+    chapters = Path(__file__).resolve().parents[3] / "chapters"
     if include_notebooks and chapters.is_dir():
         for nb in sorted(chapters.glob("*/*.ipynb")):
             cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]

@@ -1,6 +1,6 @@
 """Execute notebooks in place and keep them clean for git.
 
-    python -m tinyserve.notebooks execute PATH...   (notebooks or folders)
+    python -m tinyserve.book.notebooks execute PATH...   (notebooks or folders)
 
 Chapters are committed with their outputs, so a reader sees the figures
 without running anything. Executing rewrites each notebook with fresh outputs
@@ -95,7 +95,7 @@ def find_notebooks(paths):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tinyserve.notebooks")
+    parser = argparse.ArgumentParser(prog="python -m tinyserve.book.notebooks")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="run notebooks in place, keep outputs")
     ex.add_argument("paths", nargs="+", metavar="PATH", help="notebook or folder")

@@ -108,7 +108,7 @@ def fidelity(preset: str = "cpu-bench", num_requests: int = 48, rate: float = 6.
     import torch
 
     from tinyserve import LLM, LLMEngine, SamplingParams
-    from tinyserve.replay import replay
+    from tinyserve.serving.replay import replay
     from tinyserve.scheduler import SchedulerConfig
 
     # Calibrate on an engine with enough seats for the batch sizes, then serve

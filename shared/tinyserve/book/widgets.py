@@ -1,6 +1,6 @@
 """Interactive explorers for the notebooks (ipywidgets).
 
-Each explorer wraps a plain plotting function from :mod:`tinyserve.plots`, which
+Each explorer wraps a plain plotting function from :mod:`tinyserve.book.plots`, which
 the notebook calls once with defaults first, so the executed notebook (stored
 without widget state) still shows a static figure.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from tinyserve import hardware as hwm
-from tinyserve import plots
+from tinyserve.book import plots
 
 
 def crossover_calculator(measured: hwm.HardwareSpec | None = None, hardware: str = "A100_SXM_80GB",

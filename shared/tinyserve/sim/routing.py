@@ -1,7 +1,7 @@
 """Routing policies over replicas: which replica serves the next request.
 
 Small pure classes (no HTTP, no clock), so the HTTP router
-(``tinyserve.router``) and the simulated cluster (``tinyserve.cluster``) make
+(``tinyserve.serving.router``) and the simulated cluster (``tinyserve.sim.cluster``) make
 the very same decisions:
 
 * ``round_robin``: replica 0, 1, 2, ..., 0, ... whatever the load.

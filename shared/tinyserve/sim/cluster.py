@@ -3,7 +3,7 @@
 The orchestration layer above the engine, in the simulator. Every replica is a
 ``SimEngine`` (the engine's own scheduler and block manager on a roofline
 clock); a router sends each arriving request to one of them with the same
-``tinyserve.routing`` policies the HTTP router (``tinyserve.router``) uses.
+``tinyserve.sim.routing`` policies the HTTP router (``tinyserve.serving.router``) uses.
 
 Disaggregation splits the GPUs into a prefill pool and a decode pool. A request
 is prefilled on a prefill replica, which produces its first token; its KV cache
@@ -12,7 +12,7 @@ to the least loaded decode replica, which generates the rest. Decode steps no
 longer share a GPU with long prefills, at the price of the transfer and of a
 fixed split of GPUs between the two jobs.
 
-    from tinyserve.cluster import simulate_cluster
+    from tinyserve.sim.cluster import simulate_cluster
     simulate_cluster(specs, num_replicas=8, routing="cache_aware",
                      enable_prefix_caching=True).summary(ttft_slo=1.0, tpot_slo=0.05)
 """
@@ -26,9 +26,10 @@ from typing import Sequence
 from tinyserve.hardware import LLAMA_7B, HardwareSpec, ModelSpec, kv_bytes_per_token
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request
-from tinyserve.routing import LeastOutstanding, RoutingPolicy, make_routing_policy
-from tinyserve.sim import (SIM_TOKEN, SimEngine, SimOutput, load_stats, resolve_hardware_and_model,
-                           step_summary)
+from tinyserve.sim.executor import SIM_TOKEN
+from tinyserve.sim.routing import LeastOutstanding, RoutingPolicy, make_routing_policy
+from tinyserve.sim.simulator import (SimEngine, SimOutput, load_stats, resolve_hardware_and_model,
+                                     step_summary)
 from tinyserve.workload import RequestSpec, prompt_token_ids
 
 ARRIVAL, TRANSFER = 0, 1
@@ -87,7 +88,7 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
                      kv_link_bandwidth: float = 25e9, **engine_kwargs) -> ClusterResult:
     """Serve ``requests`` on ``num_replicas`` simulated GPUs behind a router.
 
-    ``routing``: a name in ``tinyserve.routing.ROUTING_POLICIES`` or a policy
+    ``routing``: a name in ``tinyserve.sim.routing.ROUTING_POLICIES`` or a policy
     object (``choose(key, outstanding) -> replica``); the key is the prompt's
     token ids. ``disaggregated=(P, D)``: P prefill and D decode replicas
     (``num_replicas`` is then ignored); the router places prefills, and decodes

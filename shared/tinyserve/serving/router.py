@@ -1,5 +1,5 @@
 """A streaming HTTP router over replicas, choosing each with a policy of
-``tinyserve.routing`` (round_robin, least_outstanding, cache_aware).
+``tinyserve.sim.routing`` (round_robin, least_outstanding, cache_aware).
 
     tinyserve route --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 --policy cache_aware --port 8000
 
@@ -16,14 +16,14 @@ from typing import Any, Sequence
 import aiohttp
 from aiohttp import web
 
-from tinyserve.routing import RoutingPolicy, make_routing_policy
+from tinyserve.sim.routing import RoutingPolicy, make_routing_policy
 
 
 def request_key(body: dict, chat: bool) -> Sequence:
     """What the router matches on: token ids, or the (rendered) prompt text."""
     if chat:
-        from tinyserve.server import _parse_messages, render_chat
-        return render_chat(_parse_messages(body.get("messages")))
+        from tinyserve.serving.server import parse_messages, render_chat
+        return render_chat(parse_messages(body.get("messages")))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -31,7 +31,7 @@ def request_key(body: dict, chat: bool) -> Sequence:
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return tuple(prompt)
-    from tinyserve.server import BadRequest
+    from tinyserve.serving.server import BadRequest
     raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
 
 
@@ -44,7 +44,7 @@ ROUTED_KEY = web.AppKey("routed", list)
 def build_router_app(replicas: list[str], policy: str | RoutingPolicy = "round_robin",
                      **policy_kwargs):
     """An aiohttp app proxying completions to ``replicas`` chosen by ``policy``."""
-    from tinyserve.server import BadRequest, error_response
+    from tinyserve.serving.server import BadRequest, error_response
 
     replicas = [u.rstrip("/") for u in replicas]
     if not replicas:
@@ -146,7 +146,7 @@ def route(replicas: list[str], policy: str = "round_robin", host: str = "127.0.0
 # ---- the benchmark: routing policies compared on real replicas ------------------------
 
 async def _replica_counters(session, urls: list[str]) -> tuple[float, float]:
-    from tinyserve.server import parse_prometheus
+    from tinyserve.serving.server import parse_prometheus
     queries = hits = 0.0
     for u in urls:
         async with session.get(u + "/metrics") as r:
@@ -168,8 +168,8 @@ async def compare_policies_async(replicas: list[str], specs_for: Any,
     The prefix-cache hit rate is measured on the replicas (their /metrics
     counters before and after the run), so it counts what really was reused.
     """
-    from tinyserve.client import run_benchmark
-    from tinyserve.server import free_port
+    from tinyserve.serving.client import run_benchmark
+    from tinyserve.serving.server import free_port
 
     rows = []
     async with aiohttp.ClientSession() as session:
@@ -217,7 +217,7 @@ def compare_policies(replicas: list[str], specs_for: Any, print_table: bool = Tr
 def shared_prefix_runs(workload: str = "shared-prefix", num_requests: int = 48,
                        rate: float = 20.0, seed: int = 0, **workload_kwargs):
     """``specs_for`` for ``compare_policies``: the same workload shape, fresh prompts per run."""
-    from tinyserve.client import build_prompts
+    from tinyserve.serving.client import build_prompts
     from tinyserve.workload import make_workload
 
     def specs_for(k: int):
@@ -230,7 +230,7 @@ def shared_prefix_runs(workload: str = "shared-prefix", num_requests: int = 48,
 def bench_routing(num_replicas: int = 3, model: str = "tiny", replica_args: Sequence[str] = (),
                   replicas: list[str] | None = None, **kwargs) -> list[dict]:
     """Start ``num_replicas`` servers (unless ``replicas`` are given), compare the policies."""
-    from tinyserve.server import launch_servers
+    from tinyserve.serving.server import launch_servers
     bench_keys = ("workload", "num_requests", "rate", "seed", "max_len", "burstiness",
                   "length_scale", "num_prefix_groups", "prefix_len")
     wk = {k: kwargs.pop(k) for k in bench_keys if k in kwargs and kwargs[k] is not None}

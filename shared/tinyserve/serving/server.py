@@ -117,7 +117,7 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
         raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}",
                          "model", status=404, kind="not_found_error")
     if chat:
-        prompt = render_chat(_parse_messages(body.get("messages")))
+        prompt = render_chat(parse_messages(body.get("messages")))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -168,7 +168,7 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     return ParsedRequest(prompt, params, stream, include_usage and stream, return_ids, chat)
 
 
-def _parse_messages(messages: Any) -> list[dict]:
+def parse_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
     out = []

@@ -1,4 +1,4 @@
-"""Train the shipped vocabulary: `python -m tinyserve.build_tokenizer`.
+"""Train the shipped vocabulary: `python -m tinyserve.book.build_tokenizer`.
 
 Reads every data/corpus/*.txt (sorted by name), trains a 2048-id byte-level
 BPE, and writes data/tokenizer.json. Deterministic: the same corpus always
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tinyserve.tokenizer import ByteBPETokenizer
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parents[1] / "data"
 DEFAULT_VOCAB_SIZE = 2048
 
 

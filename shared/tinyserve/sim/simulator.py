@@ -1,16 +1,10 @@
-"""Serving at GPU scale on a laptop: the real scheduler on a virtual clock.
+"""Serving at GPU scale on a laptop: the engine's core loop on a virtual clock.
 
-``simulate`` runs the very ``Scheduler`` and ``BlockManager`` the engine runs,
-with the model replaced by ``SimExecutor``: instead of computing logits it
-returns how long the step would take on the given hardware, from the roofline
-of ``tinyserve.hardware``:
-
-    step time = max(bytes moved / bandwidth, FLOPs / peak) + overhead
-
-where the bytes are the weights (read once per step, however many tokens) plus
-every scheduled request's KV cache, and the FLOPs are 2 per parameter per
-token plus attention over each token's context. The clock then jumps by that
-time. Arrivals, queueing, chunked prefill, preemption and prefix caching all
+``simulate`` runs the very ``EngineCore`` (scheduler and block manager) the
+engine runs, with the model replaced by ``sim.executor.SimExecutor``: instead
+of computing logits it returns how long the step would take on the given
+hardware, from the roofline of ``tinyserve.hardware``, and the clock jumps by
+that time. Arrivals, queueing, chunked prefill, preemption and prefix caching all
 happen exactly as in the engine; only the arithmetic is skipped, so 10,000
 requests of a 7B model on an A100 take seconds, not hours.
 
@@ -31,62 +25,9 @@ from tinyserve.hardware import (HardwareSpec, ModelSpec, LLAMA_7B, MODELS, get_h
 from tinyserve.kv_cache import BlockManager
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request, SamplingParams
-from tinyserve.scheduler import Policy, SchedulerConfig, SchedulerOutput
+from tinyserve.scheduler import Policy, SchedulerConfig
+from tinyserve.sim.executor import SIM_TOKEN, SimExecutor
 from tinyserve.workload import RequestSpec, prompt_token_ids
-
-# What the simulated model "samples": any id works, since every request runs for
-# exactly its output length (ignore_eos).
-SIM_TOKEN = 7
-
-
-class SimExecutor:
-    """Stands in for ``ModelExecutor``: prices a step instead of running it, and moves
-    ``clock`` forward by that price (so the step ends when the hardware would finish it)."""
-
-    def __init__(self, hardware: HardwareSpec, model: ModelSpec, dtype: str = "fp16",
-                 overhead: float = 0.0, clock: VirtualClock | None = None):
-        if overhead < 0:
-            raise ValueError(f"overhead must be >= 0, got {overhead!r}")
-        self.hardware, self.model, self.dtype = hardware, model, dtype
-        self.clock = VirtualClock() if clock is None else clock
-        self.overhead = overhead
-        bandwidth, peak = hardware.memory_bandwidth, hardware.peak_flops(dtype)
-        self.weight_time = weight_bytes(model, dtype) / bandwidth
-        self.kv_time_per_token = kv_bytes_per_token(model, dtype) / bandwidth
-        self.compute_time_per_token = 2 * model.num_parameters / peak
-        # QK^T and PV: 2 matmuls x 2 FLOPs x hidden per (query, key) pair per layer.
-        self.attention_time_per_pair = 4 * model.num_layers * model.hidden_size / peak
-        # Requests whose prompt KV arrived from elsewhere (disaggregated prefill):
-        # their prompt tokens are written into the cache, not computed.
-        self.preloaded: set[str] = set()
-
-    def step_time(self, plan: SchedulerOutput) -> float:
-        if plan.is_empty:
-            return 0.0
-        tokens = kv_tokens = pairs = 0
-        for item in plan.scheduled:
-            n, done = item.num_new_tokens, item.request.num_computed_tokens
-            if n > 1 and item.request.request_id in self.preloaded:
-                kv_tokens += n                   # receive the KV; compute only the last token
-                n, done = 1, done + n - 1
-            tokens += n
-            kv_tokens += done + n                # attention reads the whole context
-            pairs += n * done + n * (n + 1) // 2  # each new token attends to all before it
-        return self.time_for(tokens, kv_tokens, pairs)
-
-    def time_for(self, tokens: int, kv_tokens: int, pairs: int) -> float:
-        """Time of a step computing ``tokens`` new tokens, reading ``kv_tokens`` tokens
-        of KV cache, with ``pairs`` (query, key) attention pairs: roofline + overhead."""
-        memory = self.weight_time + kv_tokens * self.kv_time_per_token
-        compute = tokens * self.compute_time_per_token + pairs * self.attention_time_per_pair
-        return max(memory, compute) + self.overhead
-
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        self.clock.advance(self.step_time(plan))
-        return {item.request.request_id: SIM_TOKEN for item in plan.scheduled if item.samples}
-
-    def release(self, request_id: str) -> None:
-        self.preloaded.discard(request_id)
 
 
 @dataclass
@@ -95,7 +36,7 @@ class SimOutput:
     spec: RequestSpec
     metrics: RequestMetrics
     finish_reason: str | None
-    replica: int | None = None       # which replica served it (tinyserve.cluster)
+    replica: int | None = None       # which replica served it (tinyserve.sim.cluster)
 
 
 @dataclass
@@ -204,7 +145,7 @@ class SimEngine:
 
     ``add`` queues a request; ``advance_to(t)`` runs steps until the replica is
     idle or its clock reaches ``t`` (a step that starts before ``t`` runs to its
-    end, as on a real GPU). ``simulate`` drives one; ``tinyserve.cluster`` many.
+    end, as on a real GPU). ``simulate`` drives one; ``tinyserve.sim.cluster`` many.
     """
 
     def __init__(self, hardware: HardwareSpec, model: ModelSpec, dtype: str = "fp16", *,

@@ -345,34 +345,3 @@ def kernels_main(args) -> dict:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
     return report
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
-                                     description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="bench", required=True)
-    kp = sub.add_parser("kernels", help="fused vs unfused kernels, in GB/s against a copy")
-    kp.add_argument("--out", help="also write the results as JSON to this path")
-    kp.add_argument("--gib", type=float, default=1.0,
-                    help="CPU: GiB the fused add+RMSNorm touches per call (default 1)")
-    kp.add_argument("--repeats", type=int, default=5, help="CPU: timed calls per variant")
-    kp.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                    help="CPU: dtype of the add+RMSNorm tensors (default bfloat16)")
-    kp.add_argument("--cpu", action="store_true", help="run the CPU benchmark even with a GPU")
-    from tinyserve import crossover
-    cp = sub.add_parser("crossover", help="decode step time vs batch size: the roofline knee")
-    crossover.add_arguments(cp)
-    from tinyserve import sim_bench
-    sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU, and its speed")
-    sim_bench.add_arguments(sp)
-    args = parser.parse_args(argv)
-    if args.bench == "kernels":
-        kernels_main(args)
-    elif args.bench == "crossover":
-        crossover.main(args)
-    elif args.bench == "sim":
-        sim_bench.main(args)
-
-
-if __name__ == "__main__":
-    main()

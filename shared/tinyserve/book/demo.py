@@ -1,4 +1,4 @@
-"""Static vs continuous batching on one mixed workload: ``python -m tinyserve.demo``.
+"""Static vs continuous batching on one mixed workload: ``python -m tinyserve.book.demo``.
 
 Both runs use the same ~100M-parameter model (``cpu-bench``), the same requests
 (mostly short exchanges, 5% long generations, all arriving at once) and the same

@@ -1,0 +1,32 @@
+"""Benchmarks that print tables (and write JSON for the notebooks): fused vs unfused
+kernels (``kernels``), the batch-size crossover on this machine (``crossover``),
+the simulator against the real engine (``sim``). Run ``python -m tinyserve.bench``.
+"""
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    from tinyserve.bench import crossover, kernels, sim
+    parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
+                                     description="tinyserve benchmarks; each prints a table")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    kp = sub.add_parser("kernels", help="fused vs unfused kernels, in GB/s against a copy")
+    kp.add_argument("--out", help="also write the results as JSON to this path")
+    kp.add_argument("--gib", type=float, default=1.0,
+                    help="CPU: GiB the fused add+RMSNorm touches per call (default 1)")
+    kp.add_argument("--repeats", type=int, default=5, help="CPU: timed calls per variant")
+    kp.add_argument("--dtype", choices=sorted(kernels.DTYPES), default="bfloat16",
+                    help="CPU: dtype of the add+RMSNorm tensors (default bfloat16)")
+    kp.add_argument("--cpu", action="store_true", help="run the CPU benchmark even with a GPU")
+    cp = sub.add_parser("crossover", help="decode step time vs batch size: the roofline knee")
+    crossover.add_arguments(cp)
+    sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU, and its speed")
+    sim.add_arguments(sp)
+    args = parser.parse_args(argv)
+    if args.bench == "kernels":
+        kernels.kernels_main(args)
+    elif args.bench == "crossover":
+        crossover.main(args)
+    elif args.bench == "sim":
+        sim.main(args)

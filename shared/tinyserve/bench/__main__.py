@@ -1,0 +1,5 @@
+"""``python -m tinyserve.bench kernels|crossover|sim`` (also ``tinyserve bench ...``)."""
+
+from tinyserve.bench import main
+
+main()

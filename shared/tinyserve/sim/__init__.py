@@ -1,0 +1,13 @@
+"""Serving at GPU scale on a laptop: the engine's own core loop on a virtual clock
+(``simulator``), priced by the roofline (``executor``); many replicas behind a
+router (``cluster``) with the routing policies the HTTP router uses (``routing``).
+
+    from tinyserve.sim import simulate
+"""
+
+from tinyserve.sim.executor import SIM_TOKEN, SimExecutor
+from tinyserve.sim.simulator import (SimEngine, SimOutput, SimResult, default_num_kv_blocks,
+                                     simulate)
+
+__all__ = ["SIM_TOKEN", "SimEngine", "SimExecutor", "SimOutput", "SimResult",
+           "default_num_kv_blocks", "simulate"]
