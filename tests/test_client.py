@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestServer
 
 from tinyserve import LLM
 from tinyserve.serving.client import format_summary, iter_sse, run_benchmark
-from tinyserve.serving.server import build_app
+from tinyserve.serving.app import build_app
 from tinyserve.workload import RequestSpec, make_workload
 
 

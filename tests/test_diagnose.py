@@ -12,7 +12,7 @@ import pytest
 
 from tinyserve.sim.cluster import simulate_cluster
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, crossover_batch
-from tinyserve.metrics import STAGES, Diagnosis, diagnose
+from tinyserve.diagnose import STAGES, Diagnosis, diagnose
 from tinyserve.sim import simulate
 from tinyserve.workload import make_workload
 

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 from tinyserve.labs import (check_aging_argument, check_bounded_starvation,  # noqa: E402
                             check_equal_priorities_is_fcfs, check_priority_choice)
-from tinyserve.scheduler import Policy  # noqa: E402
+from tinyserve.policies import Policy  # noqa: E402
 
 
 class Aging(Policy):
@@ -111,7 +111,7 @@ def test_reference_passes_every_check(capsys):
     (IgnoresAging, r"you ignored aging"),
     (TiesLast, r"equal effective priority go in arrival order: pick the first"),
     (ReturnsRequest, r"return its \*index\* in waiting"),
-    (NotAPolicy, r"must subclass tinyserve.scheduler.Policy"),
+    (NotAPolicy, r"must subclass tinyserve.policies.Policy"),
 ])
 def test_check_priority_choice_rejects(cls, hint):
     with pytest.raises(AssertionError, match=hint):

@@ -7,8 +7,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from tinyserve.labs import capstone_problem, check_capstone, run_capstone
-from tinyserve.labs.checks_capstone import BASELINE, TARGET_GOODPUT
 from tinyserve.labs.grade import CheckResult, format_table, grade_notebook
+from tinyserve.labs.lab07 import BASELINE, TARGET_GOODPUT
 
 # Written out again here (not imported from the solution notebook).
 REFERENCE = {"max_num_seqs": 128, "enable_prefix_caching": True, "enable_chunked_prefill": True,

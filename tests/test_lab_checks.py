@@ -1,6 +1,6 @@
 """The lab checks: they pass a correct scheduler and reject typical mistakes with a useful hint.
 
-The reference below is written out again here (not imported from checks.py),
+The reference below is written out again here (not imported from labs/lab01_trace.py),
 so that the checks are tested against an independent implementation.
 """
 
@@ -14,7 +14,7 @@ import pytest
 matplotlib.use("Agg")
 
 from tinyserve.labs import check_continuous_step, check_end_to_end, check_retire  # noqa: E402
-from tinyserve.labs.checks import engine_trace, workloads  # noqa: E402
+from tinyserve.labs.lab01_trace import engine_trace, workloads  # noqa: E402
 
 
 def finished(request, config):
@@ -532,7 +532,7 @@ def test_check_find_knee_wants_value_errors():
 
 
 def test_find_knee_cases_agree_with_fit_knee():
-    from tinyserve.labs.checks import _knee_cases
+    from tinyserve.labs.lab03 import _knee_cases
     for label, b, t, true in _knee_cases():
         fit = fit_knee(b, t)
         if true is None:

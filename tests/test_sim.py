@@ -8,7 +8,7 @@ from tinyserve import LLM, SamplingParams
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, ModelSpec, decode_step_time
 from tinyserve.metrics import percentile
 from tinyserve.model import get_preset
-from tinyserve.scheduler import SJFPolicy
+from tinyserve.policies import SJFPolicy
 from tinyserve.sim import SimExecutor, simulate
 from tinyserve.workload import RequestSpec, make_workload
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.model import PRESETS, LlamaForServing
+from tinyserve.model import MODEL_PRESETS, LlamaForServing
 from tinyserve.tokenizer import load_default_tokenizer
 from tinyserve.book.train import (TRAIN_PRESETS, TRAINED_MODELS, causal_forward, corpus_texts,
                              init_model, lm_loss, lr_at, save, tokenize, train)
@@ -38,7 +38,7 @@ def test_schedule_warms_up_then_decays():
 def test_training_forward_matches_serving_logits(tmp_path, preset):
     """Teacher-forced logits of the training forward equal the logits the engine
     computes while decoding, and greedy decoding picks the same tokens."""
-    model = LlamaForServing.from_seed(PRESETS[preset], seed=1)
+    model = LlamaForServing.from_seed(MODEL_PRESETS[preset], seed=1)
     model.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), seed=0)
     prompt = llm.tokenizer.encode("推理引擎把请求排进队列，再按批调度。")

@@ -1,6 +1,7 @@
 """tinyserve: a small but real LLM inference engine, built alongside chapter 5."""
 
-from tinyserve.engine import LLM, LLMEngine, RequestOutput, device
+from tinyserve.engine import LLM, LLMEngine, RequestOutput
+from tinyserve.model import default_device as device
 from tinyserve.request import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "device"]

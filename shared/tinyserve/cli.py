@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        from tinyserve.serving.server import serve
+        from tinyserve.serving.app import serve
         serve(model=args.model, host=args.host, port=args.port,
               served_model_name=args.served_model_name, threads=args.threads, seed=args.seed,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

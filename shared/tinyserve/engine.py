@@ -18,7 +18,7 @@ from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
 from tinyserve.executor import ModelExecutor
 from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.metrics import RequestMetrics, request_metrics
-from tinyserve.model import TRAINED_MODELS, LlamaForServing, get_preset
+from tinyserve.model import TRAINED_MODELS, LlamaForServing, default_device, get_preset
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import SchedulerConfig
 from tinyserve.tokenizer import ByteBPETokenizer, StreamDetokenizer, load_default_tokenizer
@@ -174,11 +174,6 @@ class LLMEngine:
 
 # ---- the offline front door ---------------------------------------------------------
 
-def device() -> str:
-    """Where tinyserve runs by default: the GPU when there is one."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -206,7 +201,7 @@ class LLM:
             raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         net, tokenizer = load_model(model, seed)
         net.use_kernels(kernels)
-        self.model = net.to(device=device or globals()["device"](), dtype=DTYPES[dtype])
+        self.model = net.to(device=device or default_device(), dtype=DTYPES[dtype])
         self.tokenizer = tokenizer
         context = net.config.max_position_embeddings
         if max_model_len is None:
@@ -265,7 +260,7 @@ class LLM:
         return [results[i] for i in ids]
 
     def save_pretrained(self, path: str | Path) -> Path:
-        path = self.model.save_pretrained(path)
+        path = self.model.save_pretrained(path, self.tokenizer)
         self.tokenizer.save(Path(path) / TOKENIZER_FILE)
         return path
 

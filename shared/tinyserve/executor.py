@@ -34,8 +34,8 @@ class ModelExecutor:
         if plan.is_empty:
             return {}
         started = time.perf_counter()
-        # Single-token requests first: the model attends over them in one batched call.
-        items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes first: the model attends over all of them in one batched call.
+        items = sorted(plan.scheduled, key=lambda s: not s.is_decode)
         ids, positions, slots, sample_rows, sample_items = [], [], [], [], []
         bs = self.block_size
         for item in items:
@@ -64,7 +64,7 @@ class ModelExecutor:
         for row, item in enumerate(items):
             tables[row, :len(item.block_table)] = torch.tensor(item.block_table)
         context_lens = [i.request.num_computed_tokens + i.num_new_tokens for i in items]
-        num_decodes = sum(1 for i in items if i.num_new_tokens == 1)
+        num_decodes = sum(1 for i in items if i.is_decode)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             query_lens=[i.num_new_tokens for i in items],

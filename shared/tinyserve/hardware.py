@@ -36,6 +36,7 @@ Dtypes are strings: "fp32", "tf32", "fp16", "bf16", "fp8", "int8".
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -51,10 +52,15 @@ BYTES_PER_ELEMENT: dict[str, int] = {
 }
 
 
+def lookup(table: dict, name: str, what: str):
+    """``table[name]``, or a ValueError that lists the choices."""
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
 def bytes_per_element(dtype: str) -> int:
-    if dtype not in BYTES_PER_ELEMENT:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(BYTES_PER_ELEMENT)}")
-    return BYTES_PER_ELEMENT[dtype]
+    return lookup(BYTES_PER_ELEMENT, dtype, "dtype")
 
 
 # --------------------------------------------------------------------------- hardware
@@ -103,17 +109,17 @@ H100_SXM = HardwareSpec(
     memory_size=80e9,
     source="NVIDIA H100 datasheet, SXM column, dense (half the with-sparsity figures)",
 )
-H200 = HardwareSpec(
+# The same Hopper chip as the H100 (same FLOP/s), with more and faster HBM.
+H200 = dataclasses.replace(
+    H100_SXM,
     name="H200-SXM-141GB",
-    flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989 * T, "bf16": 989 * T,
-           "fp8": 1979 * T, "int8": 1979 * T},
     memory_bandwidth=4.8e12,
     memory_size=141e9,
     source="NVIDIA H200 datasheet, SXM column, dense (half the with-sparsity figures)",
 )
 del T
 
-PRESETS: dict[str, HardwareSpec] = {
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "A100_SXM_80GB": A100_SXM_80GB,
     "H100_SXM": H100_SXM,
     "H200": H200,
@@ -121,9 +127,7 @@ PRESETS: dict[str, HardwareSpec] = {
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]
+    return lookup(HARDWARE_PRESETS, name, "hardware preset")
 
 
 # --------------------------------------------------------------------------- models
@@ -198,25 +202,41 @@ def _check_batch(batch: float, context_len: float) -> None:
         raise ValueError(f"context_len must be >= 0, got {context_len}")
 
 
+def step_bytes(model: ModelSpec, dtype: str, kv_tokens: float) -> float:
+    """Bytes one forward pass moves: every weight once, plus ``kv_tokens`` tokens of KV cache."""
+    return weight_bytes(model, dtype) + kv_tokens * kv_bytes_per_token(model, dtype)
+
+
+def step_flops(model: ModelSpec, tokens: float, attention_pairs: float) -> float:
+    """2 FLOPs per parameter per new token, plus attention: QK^T and PV are 2 x 2 x hidden
+    FLOPs per (query, key) pair per layer."""
+    return 2 * model.num_parameters * tokens + 4 * model.num_layers * model.hidden_size * attention_pairs
+
+
+def step_time(hw: HardwareSpec, model: ModelSpec, dtype: str, tokens: float, kv_tokens: float,
+              attention_pairs: float) -> float:
+    """Roofline of any step (prefill chunks and decodes mixed): the slower of memory and compute."""
+    return max(step_bytes(model, dtype, kv_tokens) / hw.memory_bandwidth,
+               step_flops(model, tokens, attention_pairs) / hw.peak_flops(dtype))
+
+
 def decode_step_bytes(model: ModelSpec, batch: float, dtype: str, context_len: float = 0) -> float:
     """Weights once, plus every request's KV cache."""
     _check_batch(batch, context_len)
-    return weight_bytes(model, dtype) + batch * context_len * kv_bytes_per_token(model, dtype)
+    return step_bytes(model, dtype, batch * context_len)
 
 
 def decode_step_flops(model: ModelSpec, batch: float, context_len: float = 0) -> float:
-    """2 FLOPs per parameter per token, plus attention: QK^T and PV, 2 x 2 x context x hidden per layer."""
+    """One new token per request, each attending over ``context_len`` tokens."""
     _check_batch(batch, context_len)
-    attention = 4 * model.num_layers * context_len * model.hidden_size
-    return batch * (2 * model.num_parameters + attention)
+    return step_flops(model, batch, batch * context_len)
 
 
 def decode_step_time(hw: HardwareSpec, model: ModelSpec, batch: float, dtype: str,
                      context_len: float = 0) -> float:
-    """Roofline: the step takes as long as the slower of memory and compute."""
-    memory = decode_step_bytes(model, batch, dtype, context_len) / hw.memory_bandwidth
-    compute = decode_step_flops(model, batch, context_len) / hw.peak_flops(dtype)
-    return max(memory, compute)
+    """Roofline of a decode step: ``step_time`` with one token per request."""
+    _check_batch(batch, context_len)
+    return step_time(hw, model, dtype, batch, batch * context_len, batch * context_len)
 
 
 def arithmetic_intensity(model: ModelSpec, batch: float, dtype: str, context_len: float = 0) -> float:
@@ -282,59 +302,95 @@ def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = Non
     copy_mib = copy_mib or (1024 if on_gpu else 256)
     n = matmul_size or (8192 if on_gpu else 1536)
     budget = seconds / 2
+    sync, timed = _gpu_clock(dev) if on_gpu else _cpu_clock()
 
-    if on_gpu:
-        def sync():
-            torch.cuda.synchronize(dev)
+    bandwidth = _copy_bandwidth(dev, copy_mib, sync, timed, budget)
+    dtypes = ("fp16", "bf16") if on_gpu else ("fp32",)
+    flops = {dtype: _matmul_flops(dev, dtype, n, sync, timed, budget / len(dtypes))
+             for dtype in dtypes}
 
-        def timed(op):
-            def run():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                op()
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
-            return run
-    else:
-        def sync():
-            pass
+    name, memory = _device_name_and_memory(dev) if on_gpu else _host_name_and_memory()
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    source = (f"measured by tinyserve.hardware.measure_device on {date}: copy_ of {copy_mib} MiB, "
+              f"{n}x{n} matmul, torch {torch.__version__}")
+    return HardwareSpec(name=name, flops=flops, memory_bandwidth=bandwidth,
+                        memory_size=memory, source=source)
 
-        def timed(op):
-            def run():
-                t = time.perf_counter()
-                op()
-                return time.perf_counter() - t
-            return run
+
+def _gpu_clock(dev):
+    """``(sync, timed)`` for a GPU: CUDA events time the kernels, not the Python launching them."""
+    import torch
+
+    def sync():
+        torch.cuda.synchronize(dev)
+
+    def timed(op):
+        def run():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return run
+    return sync, timed
+
+
+def _cpu_clock():
+    """``(sync, timed)`` for a CPU: nothing to wait for, wall time around the call."""
+    def sync():
+        pass
+
+    def timed(op):
+        def run():
+            t = time.perf_counter()
+            op()
+            return time.perf_counter() - t
+        return run
+    return sync, timed
+
+
+def _copy_bandwidth(dev, copy_mib: int, sync, timed, budget: float) -> float:
+    """Bytes/s of ``dst.copy_(src)`` on ``copy_mib`` MiB of fp32 (read + write: ``2 x size``)."""
+    import torch
 
     numel = copy_mib * 2**20 // 4
     src = torch.ones(numel, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.nbytes / _median_time(timed(lambda: dst.copy_(src)), sync, budget)
     del src, dst
+    return bandwidth
 
-    flops = {}
-    dtypes = ("fp16", "bf16") if on_gpu else ("fp32",)
-    for dtype in dtypes:
-        tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-        a = torch.randn(n, n, device=dev).to(tdtype)
-        b = torch.randn(n, n, device=dev).to(tdtype)
-        c = torch.empty(n, n, device=dev, dtype=tdtype)
-        t = _median_time(timed(lambda: torch.matmul(a, b, out=c)), sync, budget / len(dtypes))
-        flops[dtype] = 2 * n**3 / t
-        del a, b, c
 
-    if on_gpu:
-        name = torch.cuda.get_device_name(dev)
-        memory = float(torch.cuda.get_device_properties(dev).total_memory)
-    else:
-        name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
-        memory = _host_memory()
-    date = datetime.datetime.now().isoformat(timespec="seconds")
-    source = (f"measured by tinyserve.hardware.measure_device on {date}: copy_ of {copy_mib} MiB, "
-              f"{n}x{n} matmul, torch {torch.__version__}")
-    return HardwareSpec(name=name, flops=flops, memory_bandwidth=bandwidth,
-                        memory_size=memory, source=source)
+def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> float:
+    """FLOP/s of an ``n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs), into a preallocated output."""
+    import torch
+
+    tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n, device=dev).to(tdtype)
+    b = torch.randn(n, n, device=dev).to(tdtype)
+    c = torch.empty(n, n, device=dev, dtype=tdtype)
+    t = _median_time(timed(lambda: torch.matmul(a, b, out=c)), sync, budget)
+    del a, b, c
+    return 2 * n**3 / t
+
+
+def _device_name_and_memory(dev) -> tuple[str, float]:
+    """A GPU's name and total memory in bytes."""
+    import torch
+
+    name = torch.cuda.get_device_name(dev)
+    memory = float(torch.cuda.get_device_properties(dev).total_memory)
+    return name, memory
+
+
+def _host_name_and_memory() -> tuple[str, float]:
+    """The CPU's name with torch's thread count, and the host's physical memory in bytes."""
+    import torch
+
+    name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+    memory = _host_memory()
+    return name, memory
 
 
 # --------------------------------------------------------------------------- knee fit

@@ -35,8 +35,10 @@ class ModelConfig:
     max_position_embeddings: int = 512
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    bos_token_id: int = 2045
-    eos_token_id: int = 2046
+    # A checkpoint's own special ids (config.json); the tokenizer is the authority when
+    # a model is saved with one (``LLM.save_pretrained``).
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -54,9 +56,8 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
-# vocab 2048 matches the shipped tokenizer; special ids are its last three
-# (<|bos|>, <|eos|>, <|pad|>).
-PRESETS: dict[str, ModelConfig] = {
+# vocab 2048 matches the shipped tokenizer (its special ids are its last three).
+MODEL_PRESETS: dict[str, ModelConfig] = {
     # ~0.4M parameters: fast enough for hundreds of test generations.
     "tiny": ModelConfig(),
     # ~4M parameters: still quick on CPU, big enough to look like a model.
@@ -77,11 +78,11 @@ TRAINED_MODELS: dict[str, Path] = {"tiny-zh": Path(__file__).parent / "data" / "
 
 
 def get_preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
+    if name not in MODEL_PRESETS:
         raise ValueError(f"model: unknown preset {name!r}; choose one of "
-                         f"{sorted(PRESETS) + sorted(TRAINED_MODELS)} "
+                         f"{sorted(MODEL_PRESETS) + sorted(TRAINED_MODELS)} "
                          "or give a directory saved with save_pretrained")
-    return PRESETS[name]
+    return MODEL_PRESETS[name]
 
 
 @dataclass
@@ -115,6 +116,11 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
+def default_device() -> str:
+    """Where tinyserve runs by default: the GPU when there is one (``tinyserve.device()``)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 KERNEL_CHOICES = ("torch", "triton")
 
 
@@ -132,12 +138,17 @@ def kernel_ops(kernels: str) -> dict:
 
 
 class RMSNorm(nn.Module):
+    """``norm(x)``, or with a residual ``norm(x, residual, ops) -> (norm(x + residual),
+    x + residual)``: the add is fused with the norm (one kernel with kernels="triton")."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: dict | None = None):
+        if residual is not None:
+            return ops["add_rmsnorm"](x, residual, self.weight, self.eps)
         # Normalise in fp32 whatever the weight dtype, as transformers does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -249,7 +260,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One block's weights; ``LlamaForServing.forward`` threads the residual through them."""
+    """One block: attention and MLP, each behind a norm, with the residual threaded
+    through (``residual=None`` for the first layer, whose input is the embedding)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -258,6 +270,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual, ops)
+        x = self.self_attn(x, cos, sin, meta, kv_cache, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class DecoderStack(nn.Module):
@@ -308,32 +328,27 @@ class LlamaForServing(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Run the packed batch; return logits only for the rows in ``logits_indices``
         (the last new token of each request that is due to sample)."""
-        ops, eps, layers = self.ops, self.config.rms_norm_eps, self.model.layers
-        residual = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
-                                  residual.dtype)
-        h = layers[0].input_layernorm(residual)
-        # Each residual add is fused with the norm that follows it (one kernel with
-        # kernels="triton"); the arithmetic is the same as transformers' Llama.
-        for i, layer in enumerate(layers):
-            a = layer.self_attn(h, cos, sin, meta, kv_cache, ops)
-            h, residual = ops["add_rmsnorm"](a, residual, layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp(h, ops)
-            if i + 1 < len(layers):
-                h, residual = ops["add_rmsnorm"](m, residual, layers[i + 1].input_layernorm.weight, eps)
-            else:
-                residual = m + residual
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache, self.ops)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
-        return self.lm_head(self.model.norm(residual[logits_indices])).float()
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices], self.ops)
+        return self.lm_head(x).float()
 
     # ---- Hugging Face Llama format -------------------------------------------------
 
-    def save_pretrained(self, path: str | Path) -> Path:
+    def save_pretrained(self, path: str | Path, tokenizer=None) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` in Hugging Face Llama format; the
+        special ids come from ``tokenizer`` when given, else from the config."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         c = self.config
+        bos, eos = ((tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None
+                    else (c.bos_token_id, c.eos_token_id))
         hf_config = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
@@ -343,8 +358,7 @@ class LlamaForServing(nn.Module):
             "max_position_embeddings": c.max_position_embeddings,
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": False, "bos_token_id": c.bos_token_id,
-            "eos_token_id": c.eos_token_id,
+            "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos,
             "torch_dtype": str(self.lm_head.weight.dtype).removeprefix("torch."),
         }
         (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -59,6 +59,67 @@ def _merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]
     return out
 
 
+class _PairCounts:
+    """Training state: every distinct chunk ("word") as ids, and how often each
+    adjacent pair occurs, weighted by how often its word does.
+
+    Works on distinct chunks weighted by their frequency rather than on the raw
+    text, and keeps `where` (pair -> indices of the words containing it) so that
+    a merge re-counts only the words it touches.
+    """
+
+    def __init__(self, texts: list[str], pattern: str):
+        split = re.compile(pattern)
+        chunk_counts = Counter(c for t in texts for c in split.findall(t))
+        self.words = [list(c.encode("utf-8")) for c in chunk_counts]
+        self.freqs = list(chunk_counts.values())
+
+        self.pair_counts: dict[tuple[int, int], int] = defaultdict(int)
+        self.where: dict[tuple[int, int], set[int]] = defaultdict(set)  # pair -> word indices
+        for w, ids in enumerate(self.words):
+            for pair in zip(ids, ids[1:]):
+                self.pair_counts[pair] += self.freqs[w]
+                self.where[pair].add(w)
+
+        # Max-heap with lazy deletion: an entry is valid only while its count
+        # still equals the live count; stale entries are skipped when popped.
+        self.heap = [(-c, pair) for pair, c in self.pair_counts.items()]
+        heapq.heapify(self.heap)
+
+    def pop_most_frequent(self) -> tuple[int, int] | None:
+        """The most frequent pair (the smaller one on a tie), or None when none is left."""
+        while self.heap:
+            neg, pair = heapq.heappop(self.heap)
+            if self.pair_counts.get(pair) == -neg:
+                return pair
+        return None
+
+    def merge(self, best: tuple[int, int], new_id: int) -> None:
+        """Glue `best` into `new_id` in every word that has it, and update the counts."""
+        pair_counts, where, words, freqs = self.pair_counts, self.where, self.words, self.freqs
+        # Only the words containing `best` change: re-count just their pairs.
+        changed = set()
+        for w in sorted(where.pop(best)):
+            old = words[w]
+            new = _merge_pair(old, best, new_id)
+            f = freqs[w]
+            for pair in zip(old, old[1:]):
+                pair_counts[pair] -= f
+                changed.add(pair)
+            for pair in zip(new, new[1:]):
+                pair_counts[pair] += f
+                changed.add(pair)
+                where[pair].add(w)
+            words[w] = new
+        for pair in changed:
+            c = pair_counts[pair]
+            if c > 0:
+                heapq.heappush(self.heap, (-c, pair))
+            else:
+                del pair_counts[pair]
+                where.pop(pair, None)
+
+
 class ByteBPETokenizer:
     """A byte-level BPE tokenizer: `merges[k] = (a, b)` creates id `256 + k`."""
 
@@ -205,32 +266,10 @@ class ByteBPETokenizer:
             )
         num_merges = vocab_size - smallest
 
-        # Work on distinct chunks ("words") weighted by how often they occur.
-        split = re.compile(pattern)
-        chunk_counts = Counter(c for t in texts for c in split.findall(t))
-        words = [list(c.encode("utf-8")) for c in chunk_counts]
-        freqs = list(chunk_counts.values())
-
-        pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-        where: dict[tuple[int, int], set[int]] = defaultdict(set)  # pair -> word indices
-        for w, ids in enumerate(words):
-            for pair in zip(ids, ids[1:]):
-                pair_counts[pair] += freqs[w]
-                where[pair].add(w)
-
-        # Max-heap with lazy deletion: an entry is valid only while its count
-        # still equals the live count; stale entries are skipped when popped.
-        heap = [(-c, pair) for pair, c in pair_counts.items()]
-        heapq.heapify(heap)
-
+        counts = _PairCounts(texts, pattern)
         merges: list[tuple[int, int]] = []
         while len(merges) < num_merges:
-            best = None
-            while heap:
-                neg, pair = heapq.heappop(heap)
-                if pair_counts.get(pair) == -neg:
-                    best = pair
-                    break
+            best = counts.pop_most_frequent()
             if best is None:
                 warnings.warn(
                     f"training text has only enough pairs for {len(merges)} merges; "
@@ -239,28 +278,7 @@ class ByteBPETokenizer:
                 break
             new_id = 256 + len(merges)
             merges.append(best)
-
-            # Only the words containing `best` change: re-count just their pairs.
-            changed = set()
-            for w in sorted(where.pop(best)):
-                old = words[w]
-                new = _merge_pair(old, best, new_id)
-                f = freqs[w]
-                for pair in zip(old, old[1:]):
-                    pair_counts[pair] -= f
-                    changed.add(pair)
-                for pair in zip(new, new[1:]):
-                    pair_counts[pair] += f
-                    changed.add(pair)
-                    where[pair].add(w)
-                words[w] = new
-            for pair in changed:
-                c = pair_counts[pair]
-                if c > 0:
-                    heapq.heappush(heap, (-c, pair))
-                else:
-                    del pair_counts[pair]
-                    where.pop(pair, None)
+            counts.merge(best, new_id)
 
         return cls(merges, special_tokens, pattern)
 

@@ -125,13 +125,6 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def cpu_copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """GB/s of ``dst.copy_(src)`` on ``nbytes`` (read + write counted)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.zeros_like(src)       # touched, so no page faults inside the timing
-    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), repeats) / 1e9
-
-
 def _eager_into(x, residual, weight, eps, buf):
     """``add_rmsnorm_unfused``, step for step, into preallocated tensors ``buf``."""
     torch.add(x, residual, out=buf["h"])
@@ -169,33 +162,13 @@ def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
     The default dtype is bfloat16, as LLMs are served; its unfused chain
     also pays for the fp32 copies made to normalise in full precision.
     """
-    rows = max(1, round(gib * GiB / (4 * hidden * torch.empty((), dtype=dtype).element_size())))
-    shape = (rows, hidden)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=gen).to(dtype)
-    res = torch.randn(shape, generator=gen).to(dtype)
-    w = torch.randn(hidden, generator=gen).to(dtype)
+    shape, x, res, w = _cpu_inputs(gib, hidden, dtype)
     eps = 1e-5
-
-    f32 = torch.float32
-    buf = {"h": torch.empty_like(x), "sq": torch.empty(shape, dtype=f32),
-           "var": torch.empty(rows, 1, dtype=f32), "var_eps": torch.empty(rows, 1, dtype=f32),
-           "rstd": torch.empty(rows, 1, dtype=f32), "normed": torch.empty(shape, dtype=f32),
-           "out": torch.empty(shape, dtype=torch.promote_types(dtype, w.dtype))}
-    if dtype != f32:
-        buf.update(h32=torch.empty(shape, dtype=f32), y=torch.empty_like(x))
+    buf = _eager_buffers(x, w, shape, dtype)
     out, new_res = torch.empty_like(buf["out"]), torch.empty_like(x)
     compiled = torch.compile(K.add_rmsnorm_unfused, dynamic=False)
     compiled_into = torch.compile(_compiled_into, dynamic=False)
-
-    want = K.add_rmsnorm_unfused(x, res, w, eps)
-    got = _eager_into(x, res, w, eps, buf)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    for got in (compiled(x, res, w, eps),                            # compiles (once)
-                (compiled_into(x, res, w, eps, out, new_res), out, new_res)[1:]):
-        torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(got[1], want[1])
-    del want, got
+    _check_cpu_variants(x, res, w, eps, buf, compiled, compiled_into, out, new_res)
 
     src = torch.ones(int(gib * GiB) // 4, dtype=torch.float32)
     dst = torch.zeros_like(src)               # touched, so no page faults inside the timing
@@ -207,6 +180,46 @@ def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
         "compile, allocating": lambda: compiled(x, res, w, eps),
     }, repeats)
     copy_gbps = 2 * src.numel() * 4 / t["copy"] / 1e9
+    return copy_gbps, _cpu_rows(t, shape, dtype, copy_gbps)
+
+
+def _cpu_inputs(gib: float, hidden: int, dtype: torch.dtype):
+    """``(shape, x, residual, weight)``, seeded, with rows so the fused kernel moves ``gib`` GiB."""
+    rows = max(1, round(gib * GiB / (4 * hidden * torch.empty((), dtype=dtype).element_size())))
+    shape = (rows, hidden)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    res = torch.randn(shape, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    return shape, x, res, w
+
+
+def _eager_buffers(x, w, shape, dtype: torch.dtype) -> dict:
+    """Every output and intermediate of ``_eager_into``, allocated once (fp32 where it normalises)."""
+    rows = shape[0]
+    f32 = torch.float32
+    buf = {"h": torch.empty_like(x), "sq": torch.empty(shape, dtype=f32),
+           "var": torch.empty(rows, 1, dtype=f32), "var_eps": torch.empty(rows, 1, dtype=f32),
+           "rstd": torch.empty(rows, 1, dtype=f32), "normed": torch.empty(shape, dtype=f32),
+           "out": torch.empty(shape, dtype=torch.promote_types(dtype, w.dtype))}
+    if dtype != f32:
+        buf.update(h32=torch.empty(shape, dtype=f32), y=torch.empty_like(x))
+    return buf
+
+
+def _check_cpu_variants(x, res, w, eps, buf, compiled, compiled_into, out, new_res) -> None:
+    """Each variant against ``add_rmsnorm_unfused``: eager exactly, compiled within bf16 noise."""
+    want = K.add_rmsnorm_unfused(x, res, w, eps)
+    got = _eager_into(x, res, w, eps, buf)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for got in (compiled(x, res, w, eps),                            # compiles (once)
+                (compiled_into(x, res, w, eps, out, new_res), out, new_res)[1:]):
+        torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[1], want[1])
+
+
+def _cpu_rows(t: dict, shape, dtype, copy_gbps: float) -> list[dict]:
+    """The table's rows: eager then compiled, for reused buffers then allocating."""
     unfused = K.bytes_moved("add_rmsnorm", "unfused", shape, dtype)
     fused = K.bytes_moved("add_rmsnorm", "fused", shape, dtype)
     results = []
@@ -216,7 +229,7 @@ def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
                            copy_gbps, base))
         results.append(row("add_rmsnorm", f"compile, {mode}", shape, dtype, fused,
                            t[f"compile, {mode}"], copy_gbps, base))
-    return copy_gbps, results
+    return results
 
 
 # ---- GPU: eager torch vs Triton ----------------------------------------------------------
@@ -253,62 +266,85 @@ def bench_gpu(dtype: torch.dtype = torch.float16, tokens: int = 32768, batch: in
     before it is timed. (``device`` and ``timer`` let the tests run this on CPU.)
     """
     gen = torch.Generator(device=device).manual_seed(0)
+    copy_gbps = gpu_copy_bandwidth(copy_bytes, device, timer)
+    bench = _GpuBench(dtype, device, timer, gen, copy_gbps)
+    results = []
+    results += bench.add_rmsnorm(tokens)
+    results += bench.silu_mul(tokens)
+    results += bench.softmax(tokens)
+    for ctx in contexts:
+        results += bench.paged_decode_attention(batch, ctx)
+    return copy_gbps, results
 
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-    def pair(op, shape, eager, fused, count, label="triton (fused)"):
+class _GpuBench:
+    """One ``bench_gpu`` run: its seeded generator, its timer, and the copy bandwidth
+    every row is compared with. Each op method makes its inputs, checks and times
+    eager against fused, and returns the two rows; its tensors are freed on return."""
+
+    def __init__(self, dtype: torch.dtype, device: str, timer, gen: torch.Generator,
+                 copy_gbps: float):
+        self.dtype, self.device, self.timer, self.gen = dtype, device, timer, gen
+        self.copy_gbps = copy_gbps
+
+    def randn(self, *shape):
+        return torch.randn(shape, generator=self.gen, device=self.device, dtype=self.dtype)
+
+    def pair(self, op, shape, eager, fused, count, label="triton (fused)") -> list[dict]:
+        """Check ``fused()`` against ``eager()``, time both, return their two rows."""
+        dtype, copy_gbps = self.dtype, self.copy_gbps
         _check(fused(), eager())
-        t_eager, t_fused = timer(eager), timer(fused)
+        t_eager, t_fused = self.timer(eager), self.timer(fused)
         return [row(op, "eager torch", shape, dtype, K.bytes_moved(op, "unfused", **count),
                     t_eager, copy_gbps, t_eager),
                 row(op, label, shape, dtype, K.bytes_moved(op, "fused", **count),
                     t_fused, copy_gbps, t_eager)]
 
-    copy_gbps = gpu_copy_bandwidth(copy_bytes, device, timer)
-    results = []
+    def add_rmsnorm(self, tokens: int) -> list[dict]:
+        shape = (tokens, HIDDEN)
+        x, res, w = self.randn(*shape), self.randn(*shape), self.randn(HIDDEN)
+        return self.pair("add_rmsnorm", shape, lambda: K.add_rmsnorm_unfused(x, res, w, 1e-5),
+                         lambda: K.add_rmsnorm_triton(x, res, w, 1e-5),
+                         dict(shape=shape, dtype=self.dtype))
 
-    shape = (tokens, HIDDEN)
-    x, res, w = randn(*shape), randn(*shape), randn(HIDDEN)
-    results += pair("add_rmsnorm", shape, lambda: K.add_rmsnorm_unfused(x, res, w, 1e-5),
-                    lambda: K.add_rmsnorm_triton(x, res, w, 1e-5), dict(shape=shape, dtype=dtype))
-    del x, res, w
+    def silu_mul(self, tokens: int) -> list[dict]:
+        shape = (tokens // 2, INTERMEDIATE)
+        gate, up = self.randn(*shape), self.randn(*shape)
+        return self.pair("silu_mul", shape, lambda: K.silu_mul_unfused(gate, up),
+                         lambda: K.silu_mul_triton(gate, up), dict(shape=shape, dtype=self.dtype))
 
-    shape = (tokens // 2, INTERMEDIATE)
-    gate, up = randn(*shape), randn(*shape)
-    results += pair("silu_mul", shape, lambda: K.silu_mul_unfused(gate, up),
-                    lambda: K.silu_mul_triton(gate, up), dict(shape=shape, dtype=dtype))
-    del gate, up
+    def softmax(self, tokens: int) -> list[dict]:
+        shape = (tokens, HIDDEN)
+        logits = self.randn(*shape)
+        return self.pair("softmax", shape, lambda: K.softmax_unfused(logits),
+                         lambda: K.softmax_triton(logits), dict(shape=shape, dtype=self.dtype))
 
-    shape = (tokens, HIDDEN)
-    logits = randn(*shape)
-    results += pair("softmax", shape, lambda: K.softmax_unfused(logits),
-                    lambda: K.softmax_triton(logits), dict(shape=shape, dtype=dtype))
-    del logits
-
-    # Llama-3-8B-like attention: 32 query heads share 8 KV heads of 128 dims.
-    hq, hkv, d, block_size = 32, 8, 128, 16
-    for ctx in contexts:
+    def paged_decode_attention(self, batch: int, ctx: int) -> list[dict]:
+        """Decode attention for ``batch`` requests of ``ctx`` tokens, their KV blocks scattered."""
+        # Llama-3-8B-like attention: 32 query heads share 8 KV heads of 128 dims.
+        hq, hkv, d, block_size = 32, 8, 128, 16
+        device, randn = self.device, self.randn
         blocks_per_seq = math.ceil(ctx / block_size)
         num_blocks = batch * blocks_per_seq
         k_cache = randn(num_blocks, block_size, hkv, d)
         v_cache = randn(num_blocks, block_size, hkv, d)
-        tables = torch.randperm(num_blocks, device=device, generator=gen)
+        tables = torch.randperm(num_blocks, device=device, generator=self.gen)
         tables = tables.view(batch, blocks_per_seq).to(torch.int32)     # blocks scattered
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         q = randn(batch, hq, d)
         args = (q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d))
         splits = K.choose_num_splits(batch, hkv, blocks_per_seq * block_size)
-        results += pair("paged_decode_attention", (batch, hq, hkv, d, ctx),
-                        lambda: K.paged_decode_attention_torch(*args),
-                        lambda: K.paged_decode_attention_triton(*args),
-                        dict(context_lens=[ctx] * batch, num_heads=hq, num_kv_heads=hkv,
-                             head_dim=d, dtype=dtype, block_size=block_size, num_splits=splits),
-                        label=f"triton ({splits} split{'s' if splits > 1 else ''})")
+        rows = self.pair("paged_decode_attention", (batch, hq, hkv, d, ctx),
+                         lambda: K.paged_decode_attention_torch(*args),
+                         lambda: K.paged_decode_attention_triton(*args),
+                         dict(context_lens=[ctx] * batch, num_heads=hq, num_kv_heads=hkv,
+                              head_dim=d, dtype=self.dtype, block_size=block_size,
+                              num_splits=splits),
+                         label=f"triton ({splits} split{'s' if splits > 1 else ''})")
         del k_cache, v_cache, args
         if device == "cuda":
             torch.cuda.empty_cache()
-    return copy_gbps, results
+        return rows
 
 
 # ---- command line ------------------------------------------------------------------------

@@ -24,18 +24,20 @@ import statistics
 from tinyserve.engine import LLM
 from tinyserve.metrics import summarize
 from tinyserve.request import SamplingParams
+from tinyserve.tokenizer import load_default_tokenizer
 
 
 def mixed_workload(num_requests: int, seed: int = 0, long_fraction: float = 0.05):
     """Prompt token ids and sampling params: short chats plus a few long generations."""
     rng = random.Random(seed)
+    ordinary = load_default_tokenizer().bos_token_id      # ids below the special tokens
     prompts, params = [], []
     for _ in range(num_requests):
         if rng.random() < long_fraction:
             prompt_len, output_len = rng.randint(32, 128), rng.randint(192, 256)
         else:
             prompt_len, output_len = rng.randint(4, 16), rng.randint(2, 8)
-        prompts.append([rng.randrange(2045) for _ in range(prompt_len)])
+        prompts.append([rng.randrange(ordinary) for _ in range(prompt_len)])
         params.append(SamplingParams(max_tokens=output_len, ignore_eos=True))
     return prompts, params
 

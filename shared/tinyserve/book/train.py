@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tinyserve.model import (PRESETS, TRAINED_MODELS, LlamaForServing, ModelConfig, apply_rotary,
-                             rotary_cos_sin)
+from tinyserve.model import (MODEL_PRESETS, TRAINED_MODELS, LlamaForServing, ModelConfig,
+                             apply_rotary, rotary_cos_sin)
 from tinyserve.tokenizer import load_default_tokenizer
 
 DATA_DIR = Path(__file__).parents[1] / "data"
@@ -40,7 +40,7 @@ TOKENIZER_FILE = "tinyserve_tokenizer.json"     # same name as engine.TOKENIZER_
 
 TRAIN_PRESETS = {
     # The `small` shape with a 512-token context: ~3.9M parameters, 7.8 MB in fp16.
-    "tiny-zh": replace(PRESETS["small"], max_position_embeddings=512),
+    "tiny-zh": replace(MODEL_PRESETS["small"], max_position_embeddings=512),
     # For tests: trains a step in milliseconds.
     "test": ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2,
@@ -190,9 +190,10 @@ def train(config: ModelConfig, data: torch.Tensor, seconds: float, seed: int = 0
 def save(model: LlamaForServing, out: Path, summary: dict, dtype=torch.float16) -> Path:
     """Weights in fp16 (half the bytes; from_pretrained casts back into fp32 modules)."""
     out = Path(out)
-    model.to(dtype).save_pretrained(out)
+    tokenizer = load_default_tokenizer()
+    model.to(dtype).save_pretrained(out, tokenizer)
     model.float()
-    load_default_tokenizer().save(out / TOKENIZER_FILE)
+    tokenizer.save(out / TOKENIZER_FILE)
     (out / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n",
                                        encoding="utf-8")
     return out

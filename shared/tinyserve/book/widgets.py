@@ -26,7 +26,7 @@ def crossover_calculator(measured: hwm.HardwareSpec | None = None, hardware: str
     """
     import ipywidgets as W
 
-    hws = dict(hwm.PRESETS)
+    hws = dict(hwm.HARDWARE_PRESETS)
     if measured is not None:
         hws["measured"] = measured
     models = dict(hwm.MODELS, **(extra_models or {}))
@@ -72,7 +72,7 @@ PLAYGROUND_POLICIES = ("fcfs", "sjf", "sjf+aging", "priority", "bucket", "prefil
 
 
 def _playground_policy(name: str):
-    from tinyserve.scheduler import SJFPolicy, make_policy
+    from tinyserve.policies import SJFPolicy, make_policy
     return SJFPolicy(aging=200.0) if name == "sjf+aging" else make_policy(name)
 
 

@@ -140,18 +140,9 @@ async def run_benchmark(url: str, specs: Sequence, *, prompts: Sequence | None =
     import aiohttp
     from tqdm.auto import tqdm
 
-    if not specs:
-        raise ValueError("specs must not be empty")
-    if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
-        raise ValueError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
+    _check_benchmark_args(specs, max_concurrency)
     chat = endpoint.rstrip("/").endswith("chat/completions")
-    prompts = list(prompts) if prompts is not None else build_prompts(specs, seed)
-    if len(prompts) != len(specs):
-        raise ValueError(f"prompts: got {len(prompts)} for {len(specs)} specs")
-    if chat:
-        from tinyserve.tokenizer import load_default_tokenizer
-        tok = load_default_tokenizer()
-        prompts = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+    prompts = _benchmark_prompts(specs, prompts, seed, chat)
     url = url.rstrip("/")
     results = [RequestResult(i, 0.0, s.prompt_len) for i, s in enumerate(specs)]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -162,29 +153,66 @@ async def run_benchmark(url: str, specs: Sequence, *, prompts: Sequence | None =
         if model is None:
             model = await get_model_name(session, url)
 
-        async def one(i: int) -> None:
-            body = _body(prompts[i], specs[i], model, chat, extra_body)
-            if limit is None:
-                await send_request(session, url + endpoint, body, results[i], chat)
-            else:
-                async with limit:
-                    await send_request(session, url + endpoint, body, results[i], chat)
-            bar.update(1)
-
-        start = time.perf_counter()
-        tasks = []
-        for i, spec in enumerate(specs):
-            delay = start + spec.arrival - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        def body_for(i: int) -> dict:
+            return _body(prompts[i], specs[i], model, chat, extra_body)
+        duration = await _replay(session, url + endpoint, specs, body_for, results, chat, limit,
+                                 bar)
     bar.close()
+    return _benchmark_summary(results, duration, url, endpoint, model,
+                              ttft_slo=ttft_slo, tpot_slo=tpot_slo, e2e_slo=e2e_slo)
+
+
+def _check_benchmark_args(specs: Sequence, max_concurrency: int | None) -> None:
+    if not specs:
+        raise ValueError("specs must not be empty")
+    if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
+        raise ValueError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
+
+
+def _benchmark_prompts(specs: Sequence, prompts: Sequence | None, seed: int, chat: bool) -> list:
+    """One prompt per spec: given or built from the workload; text for the chat endpoint."""
+    prompts = list(prompts) if prompts is not None else build_prompts(specs, seed)
+    if len(prompts) != len(specs):
+        raise ValueError(f"prompts: got {len(prompts)} for {len(specs)} specs")
+    if chat:
+        from tinyserve.tokenizer import load_default_tokenizer
+        tok = load_default_tokenizer()
+        prompts = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+    return prompts
+
+
+async def _replay(session, target: str, specs: Sequence, body_for, results: list[RequestResult],
+                  chat: bool, limit: asyncio.Semaphore | None, bar) -> float:
+    """Send request ``i`` at ``specs[i].arrival`` seconds after the start (open loop: without
+    waiting for earlier ones), wait for them all; return the seconds that took."""
+    async def one(i: int) -> None:
+        body = body_for(i)
+        if limit is None:
+            await send_request(session, target, body, results[i], chat)
+        else:
+            async with limit:
+                await send_request(session, target, body, results[i], chat)
+        bar.update(1)
+
+    start = time.perf_counter()
+    tasks = []
+    for i, spec in enumerate(specs):
+        delay = start + spec.arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - start
+
+
+def _benchmark_summary(results: list[RequestResult], duration: float, url: str, endpoint: str,
+                       model: str, *, ttft_slo: float | None, tpot_slo: float | None,
+                       e2e_slo: float | None) -> dict:
+    """``metrics.summarize`` of what the client saw, plus the run's settings and every request."""
     summary = summarize([r.metrics() for r in results], duration=duration,
                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, e2e_slo=e2e_slo)
     summary.update(
-        errors=sum(r.error is not None for r in results), num_requests=len(specs),
+        errors=sum(r.error is not None for r in results), num_requests=len(results),
         url=url, endpoint=endpoint, model=model,
         total_input_tokens=sum(r.prompt_len for r in results if r.error is None),
         slos={"ttft": ttft_slo, "tpot": tpot_slo, "e2e": e2e_slo},

@@ -10,19 +10,21 @@ prompt string otherwise (for chat, the rendered messages).
 from __future__ import annotations
 
 import asyncio
-import json
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import aiohttp
 from aiohttp import web
 
+from tinyserve.serving.processes import free_port, launch_servers, parse_prometheus
+from tinyserve.serving.protocol import (BadRequest, decode_json, error_response, parse_messages,
+                                        render_chat)
 from tinyserve.sim.routing import RoutingPolicy, make_routing_policy
 
 
 def request_key(body: dict, chat: bool) -> Sequence:
     """What the router matches on: token ids, or the (rendered) prompt text."""
     if chat:
-        from tinyserve.serving.server import parse_messages, render_chat
         return render_chat(parse_messages(body.get("messages")))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -31,7 +33,6 @@ def request_key(body: dict, chat: bool) -> Sequence:
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return tuple(prompt)
-    from tinyserve.serving.server import BadRequest
     raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
 
 
@@ -41,97 +42,133 @@ POLICY_KEY = web.AppKey("policy", RoutingPolicy)
 ROUTED_KEY = web.AppKey("routed", list)
 
 
+@dataclass
+class _RouterState:
+    """What the router's handlers share: replica URLs, the policy, per-replica
+    counters, and the client session (opened on startup, closed on cleanup)."""
+    replicas: list[str]
+    chooser: RoutingPolicy
+    outstanding: list[int]
+    routed: list[int]
+    session: aiohttp.ClientSession | None = None
+
+
+_STATE_KEY = web.AppKey("router_state", _RouterState)
+
+
 def build_router_app(replicas: list[str], policy: str | RoutingPolicy = "round_robin",
                      **policy_kwargs):
     """An aiohttp app proxying completions to ``replicas`` chosen by ``policy``."""
-    from tinyserve.serving.server import BadRequest, error_response
-
     replicas = [u.rstrip("/") for u in replicas]
     if not replicas:
         raise ValueError("replicas must name at least one URL")
     chooser = (policy if isinstance(policy, RoutingPolicy)
                else make_routing_policy(policy, len(replicas), **policy_kwargs))
-    outstanding = [0] * len(replicas)
-    routed = [0] * len(replicas)
+    state = _RouterState(replicas, chooser, outstanding=[0] * len(replicas),
+                         routed=[0] * len(replicas))
     app = web.Application(client_max_size=16 * 2**20)
-    session_box: list[aiohttp.ClientSession] = []
-
-    async def open_session(app):
-        # No connection limit: the replicas' own queues decide how many run.
-        session_box.append(aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)))
-
-    async def close_session(app):
-        await session_box[0].close()
-
-    async def proxy(request: web.Request) -> web.StreamResponse:
-        chat = request.path.endswith("/chat/completions")
-        raw = await request.read()
-        try:
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"request body is not valid JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            key = request_key(body, chat)
-        except BadRequest as exc:
-            return exc.response()
-        replica = chooser.choose(key, list(outstanding))
-        outstanding[replica] += 1
-        routed[replica] += 1
-        response = None
-        try:
-            async with session_box[0].post(replicas[replica] + request.path, data=raw,
-                                           headers={"Content-Type": "application/json"}) as up:
-                response = web.StreamResponse(status=up.status, headers={
-                    "Content-Type": up.headers.get("Content-Type", "application/json"),
-                    "X-Tinyserve-Replica": str(replica)})
-                await response.prepare(request)
-                # Bytes go through as they arrive: streaming stays streaming.
-                async for chunk in up.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except aiohttp.ClientError as exc:
-            if response is not None:        # headers already sent: just end the stream
-                return response
-            return error_response(f"replica {replicas[replica]} failed: {exc}", None, 502,
-                                  "bad_gateway")
-        finally:
-            outstanding[replica] -= 1
-            chooser.on_finish(replica, key)
-
-    async def health(request):
-        return web.json_response({"status": "ok", "policy": chooser.name, "replicas": replicas})
-
-    async def models(request):
-        async with session_box[0].get(replicas[0] + "/v1/models") as up:
-            return web.Response(body=await up.read(), status=up.status,
-                                content_type="application/json")
-
-    async def metrics(request):
-        lines = ["# HELP tinyserve_router:requests_routed_total Requests sent to each replica.",
-                 "# TYPE tinyserve_router:requests_routed_total counter"]
-        lines += [f'tinyserve_router:requests_routed_total{{replica="{u}"}} {routed[i]}'
-                  for i, u in enumerate(replicas)]
-        lines += ["# HELP tinyserve_router:requests_outstanding Requests in flight per replica.",
-                  "# TYPE tinyserve_router:requests_outstanding gauge"]
-        lines += [f'tinyserve_router:requests_outstanding{{replica="{u}"}} {outstanding[i]}'
-                  for i, u in enumerate(replicas)]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
-    app.on_startup.append(open_session)
-    app.on_cleanup.append(close_session)
-    app.router.add_post("/v1/completions", proxy)
-    app.router.add_post("/v1/chat/completions", proxy)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_open_session)
+    app.on_cleanup.append(_close_session)
+    app.router.add_post("/v1/completions", _proxy)
+    app.router.add_post("/v1/chat/completions", _proxy)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    app[_STATE_KEY] = state
     app[POLICY_KEY] = chooser
-    app[ROUTED_KEY] = routed
+    app[ROUTED_KEY] = state.routed
     return app
+
+
+async def _open_session(app: web.Application) -> None:
+    """One client session for all upstream calls."""
+    # No connection limit: the replicas' own queues decide how many run.
+    app[_STATE_KEY].session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+
+
+async def _close_session(app: web.Application) -> None:
+    await app[_STATE_KEY].session.close()
+
+
+def _routing_key(raw: bytes, chat: bool) -> Sequence:
+    """The key of a raw request body; ``BadRequest`` if it is not a JSON object with a prompt."""
+    body = decode_json(raw)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return request_key(body, chat)
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    """Choose a replica for the request's key and stream that replica's answer back."""
+    state = request.app[_STATE_KEY]
+    chat = request.path.endswith("/chat/completions")
+    raw = await request.read()
+    try:
+        key = _routing_key(raw, chat)
+    except BadRequest as exc:
+        return exc.response()
+    replica = state.chooser.choose(key, list(state.outstanding))
+    state.outstanding[replica] += 1
+    state.routed[replica] += 1
+    try:
+        return await _stream_from_replica(state, replica, request, raw)
+    finally:
+        state.outstanding[replica] -= 1
+        state.chooser.on_finish(replica, key)
+
+
+async def _stream_from_replica(state: _RouterState, replica: int, request: web.Request,
+                               raw: bytes) -> web.StreamResponse:
+    """Post ``raw`` to ``replica`` and pass its response through; 502 if it cannot be reached."""
+    response = None
+    try:
+        async with state.session.post(state.replicas[replica] + request.path, data=raw,
+                                      headers={"Content-Type": "application/json"}) as up:
+            response = web.StreamResponse(status=up.status, headers={
+                "Content-Type": up.headers.get("Content-Type", "application/json"),
+                "X-Tinyserve-Replica": str(replica)})
+            await response.prepare(request)
+            # Bytes go through as they arrive: streaming stays streaming.
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except aiohttp.ClientError as exc:
+        if response is not None:        # headers already sent: just end the stream
+            return response
+        return error_response(f"replica {state.replicas[replica]} failed: {exc}", None, 502,
+                              "bad_gateway")
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[_STATE_KEY]
+    return web.json_response({"status": "ok", "policy": state.chooser.name,
+                              "replicas": state.replicas})
+
+
+async def _models(request: web.Request) -> web.Response:
+    """The first replica's model list (all replicas serve the same model)."""
+    state = request.app[_STATE_KEY]
+    async with state.session.get(state.replicas[0] + "/v1/models") as up:
+        return web.Response(body=await up.read(), status=up.status,
+                            content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    """Prometheus text: requests routed to, and in flight on, each replica."""
+    state = request.app[_STATE_KEY]
+    replicas, routed, outstanding = state.replicas, state.routed, state.outstanding
+    lines = ["# HELP tinyserve_router:requests_routed_total Requests sent to each replica.",
+             "# TYPE tinyserve_router:requests_routed_total counter"]
+    lines += [f'tinyserve_router:requests_routed_total{{replica="{u}"}} {routed[i]}'
+              for i, u in enumerate(replicas)]
+    lines += ["# HELP tinyserve_router:requests_outstanding Requests in flight per replica.",
+              "# TYPE tinyserve_router:requests_outstanding gauge"]
+    lines += [f'tinyserve_router:requests_outstanding{{replica="{u}"}} {outstanding[i]}'
+              for i, u in enumerate(replicas)]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 def route(replicas: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
@@ -146,7 +183,6 @@ def route(replicas: list[str], policy: str = "round_robin", host: str = "127.0.0
 # ---- the benchmark: routing policies compared on real replicas ------------------------
 
 async def _replica_counters(session, urls: list[str]) -> tuple[float, float]:
-    from tinyserve.serving.server import parse_prometheus
     queries = hits = 0.0
     for u in urls:
         async with session.get(u + "/metrics") as r:
@@ -169,7 +205,6 @@ async def compare_policies_async(replicas: list[str], specs_for: Any,
     counters before and after the run), so it counts what really was reused.
     """
     from tinyserve.serving.client import run_benchmark
-    from tinyserve.serving.server import free_port
 
     rows = []
     async with aiohttp.ClientSession() as session:
@@ -230,7 +265,6 @@ def shared_prefix_runs(workload: str = "shared-prefix", num_requests: int = 48,
 def bench_routing(num_replicas: int = 3, model: str = "tiny", replica_args: Sequence[str] = (),
                   replicas: list[str] | None = None, **kwargs) -> list[dict]:
     """Start ``num_replicas`` servers (unless ``replicas`` are given), compare the policies."""
-    from tinyserve.serving.server import launch_servers
     bench_keys = ("workload", "num_requests", "rate", "seed", "max_len", "burstiness",
                   "length_scale", "num_prefix_groups", "prefix_len")
     wk = {k: kwargs.pop(k) for k in bench_keys if k in kwargs and kwargs[k] is not None}

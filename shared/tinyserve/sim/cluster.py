@@ -97,6 +97,22 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
     ``SimEngine`` (the engine's knobs).
     """
     hardware, model = resolve_hardware_and_model(hardware, model)
+    num_replicas = _checked_num_replicas(num_replicas, disaggregated, kv_link_bandwidth)
+    engines = [SimEngine(hardware, model, dtype, **engine_kwargs) for _ in range(num_replicas)]
+    num_front = disaggregated[0] if disaggregated else num_replicas
+    policy = make_routing_policy(routing, num_front) if isinstance(routing, str) else routing
+    for index, spec in enumerate(requests):
+        engines[0].check_fits(spec, str(index))
+    transfer_time_per_token = kv_bytes_per_token(model, dtype) / kv_link_bandwidth
+
+    run = _ClusterRun(requests, engines, num_front, policy, transfer_time_per_token)
+    run.run()
+    return ClusterResult(run.outputs(), engines, getattr(policy, "name", type(policy).__name__),
+                         tuple(disaggregated) if disaggregated else None, run.routed)
+
+
+def _checked_num_replicas(num_replicas, disaggregated, kv_link_bandwidth) -> int:
+    """Validate the cluster's shape; with ``disaggregated=(P, D)`` there are P + D replicas."""
     if disaggregated is not None:
         if (len(disaggregated) != 2 or not all(isinstance(n, int) and n >= 1 for n in disaggregated)):
             raise ValueError(f"disaggregated must be (num_prefill, num_decode) with both >= 1, "
@@ -106,71 +122,104 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     if not kv_link_bandwidth > 0:
         raise ValueError(f"kv_link_bandwidth must be > 0, got {kv_link_bandwidth!r}")
-    engines = [SimEngine(hardware, model, dtype, **engine_kwargs) for _ in range(num_replicas)]
-    num_front = disaggregated[0] if disaggregated else num_replicas
-    front, back = engines[:num_front], engines[num_front:]
-    policy = make_routing_policy(routing, num_front) if isinstance(routing, str) else routing
-    back_policy = LeastOutstanding(len(back)) if back else None
-    for index, spec in enumerate(requests):
-        front[0].check_fits(spec, str(index))
-    transfer_time_per_token = kv_bytes_per_token(model, dtype) / kv_link_bandwidth
+    return num_replicas
 
-    events = [(spec.arrival, ARRIVAL, index) for index, spec in enumerate(requests)]
-    heapq.heapify(events)
-    keys: dict[str, list[int]] = {}
-    placed: dict[str, tuple[int, Request]] = {}          # request id -> (replica, request)
-    decoded: dict[str, tuple[int, Request]] = {}
-    routed = [0] * num_front
 
-    def finish(replica: int, done: list[Request]) -> None:
-        for request in done:
-            policy.on_finish(replica, keys[request.request_id])
-            if back:   # the first token is out: ship the KV cache to the decode pool
-                spec = requests[int(request.request_id)]
-                if spec.output_len > 1:
-                    ready = request.finished_time + spec.prompt_len * transfer_time_per_token
-                    heapq.heappush(events, (ready, TRANSFER, int(request.request_id)))
+class _ClusterRun:
+    """One simulation in progress: the front (prefill) and back (decode) replicas, the
+    event heap of arrivals and KV transfers, and where every request was placed.
 
-    while True:
+    The front replicas and the events are interleaved in time order: whichever is
+    earlier, the next step of the front replica with the smallest clock or the next
+    event, goes first. The decode pool is only advanced when KV arrives, and drained
+    at the end.
+    """
+
+    def __init__(self, requests: Sequence[RequestSpec], engines: list[SimEngine], num_front: int,
+                 policy: RoutingPolicy, transfer_time_per_token: float):
+        self.requests = requests
+        self.num_front = num_front
+        self.front, self.back = engines[:num_front], engines[num_front:]
+        self.policy = policy
+        self.back_policy = LeastOutstanding(len(self.back)) if self.back else None
+        self.transfer_time_per_token = transfer_time_per_token
+        self.events = [(spec.arrival, ARRIVAL, index) for index, spec in enumerate(requests)]
+        heapq.heapify(self.events)
+        self.keys: dict[str, list[int]] = {}
+        self.placed: dict[str, tuple[int, Request]] = {}     # request id -> (replica, request)
+        self.decoded: dict[str, tuple[int, Request]] = {}
+        self.routed = [0] * num_front
+
+    def run(self) -> None:
+        """Step replicas and handle events until neither is left, then finish every decode."""
+        while self._advance():
+            pass
+        for engine in self.back:
+            engine.drain()
+
+    def _advance(self) -> bool:
+        """Do the next thing in time order (one front step or one event); False when idle."""
+        front = self.front
         busy = [i for i, e in enumerate(front) if e.scheduler.has_unfinished_requests()]
         next_step = min((front[i].clock for i in busy), default=float("inf"))
-        next_event = events[0][0] if events else float("inf")
+        next_event = self.events[0][0] if self.events else float("inf")
         if next_step == next_event == float("inf"):
-            break
+            return False
         if next_step < next_event:           # front replicas run in time order
             replica = min(busy, key=lambda i: front[i].clock)
-            finish(replica, front[replica].step())
-            continue
-        t, kind, index = heapq.heappop(events)
-        spec, rid = requests[index], str(index)
+            self._finish(replica, front[replica].step())
+            return True
+        t, kind, index = heapq.heappop(self.events)
         if kind == ARRIVAL:
-            keys[rid] = prompt_token_ids(spec, index)
-            replica = policy.choose(keys[rid], [e.num_outstanding for e in front])
-            routed[replica] += 1
-            placed[rid] = (replica, front[replica].add(
-                spec, rid, token_ids=keys[rid], output_len=1 if back else None))
+            self._arrive(index)
         else:                                # KV arrived at the decode pool
-            for engine in back:
-                engine.advance_to(t)
-            replica = back_policy.choose((), [e.num_outstanding for e in back])
-            decoded[rid] = (num_front + replica, back[replica].add(
-                spec, rid, token_ids=keys[rid] + [SIM_TOKEN], arrival=t,
-                output_len=spec.output_len - 1))
-            back[replica].executor.preloaded.add(rid)
-    for engine in back:
-        engine.drain()
+            self._start_decode(t, index)
+        return True
 
-    outputs = []
-    for index, spec in enumerate(requests):
-        replica, request = placed[str(index)]
-        metrics = request_metrics(request)
-        if str(index) in decoded:
-            replica, second = decoded[str(index)]
-            metrics = _joined(metrics, request_metrics(second), spec)
-        outputs.append(SimOutput(str(index), spec, metrics,
-                                 "length" if metrics.finished_time is not None else None, replica))
-    return ClusterResult(outputs, engines, getattr(policy, "name", type(policy).__name__),
-                         tuple(disaggregated) if disaggregated else None, routed)
+    def _arrive(self, index: int) -> None:
+        """Route a new request to a front replica (prefill only when disaggregated)."""
+        spec, rid = self.requests[index], str(index)
+        self.keys[rid] = prompt_token_ids(spec, index)
+        replica = self.policy.choose(self.keys[rid], [e.num_outstanding for e in self.front])
+        self.routed[replica] += 1
+        self.placed[rid] = (replica, self.front[replica].add(
+            spec, rid, token_ids=self.keys[rid], output_len=1 if self.back else None))
+
+    def _start_decode(self, t: float, index: int) -> None:
+        """The KV cache reached the decode pool at ``t``: continue on the least loaded decode replica."""
+        spec, rid = self.requests[index], str(index)
+        back = self.back
+        for engine in back:
+            engine.advance_to(t)
+        replica = self.back_policy.choose((), [e.num_outstanding for e in back])
+        self.decoded[rid] = (self.num_front + replica, back[replica].add(
+            spec, rid, token_ids=self.keys[rid] + [SIM_TOKEN], arrival=t,
+            output_len=spec.output_len - 1))
+        back[replica].executor.preloaded.add(rid)
+
+    def _finish(self, replica: int, done: list[Request]) -> None:
+        """Tell the router about finished requests; when disaggregated, ship their KV onward."""
+        for request in done:
+            self.policy.on_finish(replica, self.keys[request.request_id])
+            if self.back:   # the first token is out: ship the KV cache to the decode pool
+                spec = self.requests[int(request.request_id)]
+                if spec.output_len > 1:
+                    ready = request.finished_time + spec.prompt_len * self.transfer_time_per_token
+                    heapq.heappush(self.events, (ready, TRANSFER, int(request.request_id)))
+
+    def outputs(self) -> list[SimOutput]:
+        """One ``SimOutput`` per request, in input order, prefill and decode joined."""
+        outputs = []
+        for index, spec in enumerate(self.requests):
+            replica, request = self.placed[str(index)]
+            metrics = request_metrics(request)
+            if str(index) in self.decoded:
+                replica, second = self.decoded[str(index)]
+                metrics = _joined(metrics, request_metrics(second), spec)
+            outputs.append(SimOutput(str(index), spec, metrics,
+                                     "length" if metrics.finished_time is not None else None,
+                                     replica))
+        return outputs
 
 
 def _joined(prefill: RequestMetrics, decode: RequestMetrics, spec: RequestSpec) -> RequestMetrics:

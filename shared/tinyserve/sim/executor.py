@@ -1,16 +1,18 @@
 """The simulator's executor: prices a step from the roofline instead of running it.
 
-    step time = max(bytes moved / bandwidth, FLOPs / peak) + overhead
+    step time = hardware.step_time(...) + overhead
+              = max(bytes moved / bandwidth, FLOPs / peak) + overhead
 
 where the bytes are the weights (read once per step, however many tokens) plus
 every scheduled request's KV cache, and the FLOPs are 2 per parameter per
-token plus attention over each token's context.
+token plus attention over each token's context. The formula lives in
+``tinyserve.hardware``, the one roofline of the package.
 """
 
 from __future__ import annotations
 
 from tinyserve.core import VirtualClock
-from tinyserve.hardware import HardwareSpec, ModelSpec, kv_bytes_per_token, weight_bytes
+from tinyserve.hardware import HardwareSpec, ModelSpec, step_time, weight_read_time
 from tinyserve.scheduler import SchedulerOutput
 
 # What the simulated model "samples": any id works, since every request runs for
@@ -29,12 +31,6 @@ class SimExecutor:
         self.hardware, self.model, self.dtype = hardware, model, dtype
         self.clock = VirtualClock() if clock is None else clock
         self.overhead = overhead
-        bandwidth, peak = hardware.memory_bandwidth, hardware.peak_flops(dtype)
-        self.weight_time = weight_bytes(model, dtype) / bandwidth
-        self.kv_time_per_token = kv_bytes_per_token(model, dtype) / bandwidth
-        self.compute_time_per_token = 2 * model.num_parameters / peak
-        # QK^T and PV: 2 matmuls x 2 FLOPs x hidden per (query, key) pair per layer.
-        self.attention_time_per_pair = 4 * model.num_layers * model.hidden_size / peak
         # Requests whose prompt KV arrived from elsewhere (disaggregated prefill):
         # their prompt tokens are written into the cache, not computed.
         self.preloaded: set[str] = set()
@@ -53,12 +49,15 @@ class SimExecutor:
             pairs += n * done + n * (n + 1) // 2  # each new token attends to all before it
         return self.time_for(tokens, kv_tokens, pairs)
 
+    @property
+    def weight_time(self) -> float:
+        """The floor of every step: reading each weight once."""
+        return weight_read_time(self.hardware, self.model, self.dtype)
+
     def time_for(self, tokens: int, kv_tokens: int, pairs: int) -> float:
         """Time of a step computing ``tokens`` new tokens, reading ``kv_tokens`` tokens
         of KV cache, with ``pairs`` (query, key) attention pairs: roofline + overhead."""
-        memory = self.weight_time + kv_tokens * self.kv_time_per_token
-        compute = tokens * self.compute_time_per_token + pairs * self.attention_time_per_pair
-        return max(memory, compute) + self.overhead
+        return step_time(self.hardware, self.model, self.dtype, tokens, kv_tokens, pairs) + self.overhead
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         self.clock.advance(self.step_time(plan))

@@ -57,12 +57,14 @@ class RoundRobin(RoutingPolicy):
 
     def __init__(self, num_replicas: int):
         super().__init__(num_replicas)
-        self._next = 0
+        self._next = 0          # the replica whose turn it is
 
     def choose(self, key, outstanding):
         self._check(outstanding)
-        replica = self._next
-        self._next = (self._next + 1) % self.num_replicas
+        return self._take_turn(self._next)
+
+    def _take_turn(self, replica: int) -> int:
+        self._next = (replica + 1) % self.num_replicas
         return replica
 
 
@@ -77,18 +79,13 @@ def _least_loaded(outstanding: list[int], start: int) -> int:
     raise AssertionError("unreachable")
 
 
-class LeastOutstanding(RoutingPolicy):
+class LeastOutstanding(RoundRobin):
+    """The fewest requests in flight; ties go round-robin, so an idle fleet still spreads."""
     name = "least_outstanding"
-
-    def __init__(self, num_replicas: int):
-        super().__init__(num_replicas)
-        self._tie = 0
 
     def choose(self, key, outstanding):
         self._check(outstanding)
-        replica = _least_loaded(outstanding, self._tie)
-        self._tie = (replica + 1) % self.num_replicas
-        return replica
+        return self._take_turn(_least_loaded(outstanding, self._next))
 
 
 class _Node:

@@ -25,7 +25,8 @@ from tinyserve.hardware import (HardwareSpec, ModelSpec, LLAMA_7B, MODELS, get_h
 from tinyserve.kv_cache import BlockManager
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request, SamplingParams
-from tinyserve.scheduler import Policy, SchedulerConfig
+from tinyserve.policies import Policy
+from tinyserve.scheduler import SchedulerConfig
 from tinyserve.sim.executor import SIM_TOKEN, SimExecutor
 from tinyserve.workload import RequestSpec, prompt_token_ids
 
@@ -84,7 +85,7 @@ def step_summary(steps: list[StepStats]) -> dict[str, float]:
 
 
 def load_stats(result: "SimResult") -> dict[str, float]:
-    """Summary keys that ``metrics.diagnose`` reads to tell queueing from slow steps.
+    """Summary keys that ``diagnose.diagnose`` reads to tell queueing from slow steps.
 
     * ``mean_queue_time``: arrival → first scheduled step, over completed requests.
     * ``arrival_rate``: offered requests per second over the arrival window.

@@ -24,24 +24,16 @@ from __future__ import annotations
 
 import random
 
+from tinyserve.labs.hints import call, fail
 from tinyserve.sim.routing import PrefixTree, RoutingPolicy
 
 __all__ = ["FunctionPolicy", "check_is_imbalanced", "check_choose_replica",
            "check_routing_in_simulator"]
 
 
-def _fail(zh: str, en: str):
-    raise AssertionError(f"{zh}\n/ {en}")
-
-
 def _call(fn, name, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except (NotImplementedError, AssertionError):
-        raise
-    except Exception as e:
-        _fail(f"{name}{_show_args(args)} 抛出了 {type(e).__name__}: {e}",
-              f"{name}{_show_args(args)} raised {type(e).__name__}: {e}")
+    """The student's ``fn(*args, **kwargs)``; when it raises, the hint shows the arguments."""
+    return call(fn, f"{name}{_show_args(args)}", *args, **kwargs)
 
 
 def _show_args(args) -> str:
@@ -115,12 +107,12 @@ def check_is_imbalanced(is_imbalanced):
         given = list(load)
         got = _call(is_imbalanced, "is_imbalanced", given, a, r)
         if given != load:
-            _fail(f"is_imbalanced 修改了传进来的 outstanding 列表（{load} → {given}）；它只该读，不该写",
-                  f"is_imbalanced changed the outstanding list it was given ({load} -> {given}); "
-                  f"it must only read it")
+            fail(f"is_imbalanced 修改了传进来的 outstanding 列表（{load} → {given}）；它只该读，不该写",
+                 f"is_imbalanced changed the outstanding list it was given ({load} -> {given}); "
+                 f"it must only read it")
         if not isinstance(got, bool):
-            _fail(f"is_imbalanced 要返回 True 或 False，实际返回了 {got!r}（{type(got).__name__}）",
-                  f"is_imbalanced must return True or False, got {got!r} ({type(got).__name__})")
+            fail(f"is_imbalanced 要返回 True 或 False，实际返回了 {got!r}（{type(got).__name__}）",
+                 f"is_imbalanced must return True or False, got {got!r} ({type(got).__name__})")
         if got == expected:
             continue
         hi, lo = max(load), min(load)
@@ -147,7 +139,7 @@ def check_is_imbalanced(is_imbalanced):
             en = (f"outstanding={load}, abs={a}, rel={r}: you returned True, but neither max - min = {hi - lo} "
                   f"nor max = {hi} vs rel x min = {r * lo} is above its threshold; equal is not above: "
                   f"use a strict > in both comparisons ({what})")
-        _fail(zh, en)
+        fail(zh, en)
     print(f"✓ {len(cases)} 组负载上的判断都正确（差值与比例同时超过阈值、严格大于）\n"
           f"/ correct on {len(cases)} fleets (gap and ratio both above their thresholds, strict >)")
 
@@ -220,10 +212,10 @@ def _unit_cases():
 
 def _validate_choice(got, n, label):
     if isinstance(got, bool) or not isinstance(got, int):
-        _fail(f"[{label}] choose_replica 要返回副本的下标（int），实际返回了 {got!r}",
-              f"[{label}] choose_replica must return a replica index (int), got {got!r}")
+        fail(f"[{label}] choose_replica 要返回副本的下标（int），实际返回了 {got!r}",
+             f"[{label}] choose_replica must return a replica index (int), got {got!r}")
     if not 0 <= got < n:
-        _fail(f"[{label}] 返回的下标 {got} 不在 0..{n - 1} 之内", f"[{label}] index {got} is outside 0..{n - 1}")
+        fail(f"[{label}] 返回的下标 {got} 不在 0..{n - 1} 之内", f"[{label}] index {got} is outside 0..{n - 1}")
 
 
 def _sizes(trees):
@@ -238,8 +230,8 @@ def check_choose_replica(choose_replica):
         _validate_choice(got, len(load), label)
         want = _reference_choose(key, list(load), ref, **kw)
         if got != want:
-            _fail(f"[{label}] outstanding={load}：你选了副本 {got}，应为 {want}。{zh}",
-                  f"[{label}] outstanding={load}: you chose replica {got}, expected {want}. {en}")
+            fail(f"[{label}] outstanding={load}：你选了副本 {got}，应为 {want}。{zh}",
+                 f"[{label}] outstanding={load}: you chose replica {got}, expected {want}. {en}")
         _check_recorded(key, got, mine, ref, contents, label)
     _check_no_mutation(choose_replica)
     _check_random(choose_replica)
@@ -252,18 +244,18 @@ def check_choose_replica(choose_replica):
 def _check_recorded(key, got, mine, ref, contents, label):
     """After the decision, the chosen tree (only) must hold the key."""
     if mine[got].match(key) != len(key):
-        _fail(f"[{label}] 选完副本 {got} 之后，它的树里没有这个 key：最后要调用 trees[replica].insert(key)，"
-              f"否则路由器永远“记不住”谁缓存了什么，下一条同前缀的请求就找不到它",
-              f"[{label}] after choosing replica {got}, its tree does not hold the key: call "
-              f"trees[replica].insert(key) at the end, or the router never learns who caches what and the "
-              f"next request with the same prefix cannot find it")
+        fail(f"[{label}] 选完副本 {got} 之后，它的树里没有这个 key：最后要调用 trees[replica].insert(key)，"
+             f"否则路由器永远“记不住”谁缓存了什么，下一条同前缀的请求就找不到它",
+             f"[{label}] after choosing replica {got}, its tree does not hold the key: call "
+             f"trees[replica].insert(key) at the end, or the router never learns who caches what and the "
+             f"next request with the same prefix cannot find it")
     for i, (t, r) in enumerate(zip(mine, ref)):
         if i != got and t.size != r.size:
-            _fail(f"[{label}] 副本 {i} 没被选中，它的树却变了（大小 {_trees(contents[i:i + 1])[0].size} → {t.size}）："
-                  f"只把 key 记进被选中的那棵树——别的副本并没有算过这个请求，它们的缓存里没有它",
-                  f"[{label}] replica {i} was not chosen but its tree changed (size "
-                  f"{_trees(contents[i:i + 1])[0].size} -> {t.size}): record the key in the chosen tree only; "
-                  f"the other replicas never computed this request, so their caches do not hold it")
+            fail(f"[{label}] 副本 {i} 没被选中，它的树却变了（大小 {_trees(contents[i:i + 1])[0].size} → {t.size}）："
+                 f"只把 key 记进被选中的那棵树——别的副本并没有算过这个请求，它们的缓存里没有它",
+                 f"[{label}] replica {i} was not chosen but its tree changed (size "
+                 f"{_trees(contents[i:i + 1])[0].size} -> {t.size}): record the key in the chosen tree only; "
+                 f"the other replicas never computed this request, so their caches do not hold it")
 
 
 def _check_no_mutation(choose_replica):
@@ -271,9 +263,9 @@ def _check_no_mutation(choose_replica):
     copy = list(load)
     _call(choose_replica, "choose_replica", A, copy, _trees([[], [], []]))
     if copy != load:
-        _fail(f"choose_replica 修改了 outstanding 列表（{load} → {copy}）。在途计数由路由器在请求开始/结束时维护，"
-              f"你的函数只读它", f"choose_replica changed the outstanding list ({load} -> {copy}). The router "
-              f"keeps those counts as requests start and finish; your function only reads them")
+        fail(f"choose_replica 修改了 outstanding 列表（{load} → {copy}）。在途计数由路由器在请求开始/结束时维护，"
+             f"你的函数只读它", f"choose_replica changed the outstanding list ({load} -> {copy}). The router "
+             f"keeps those counts as requests start and finish; your function only reads them")
 
 
 def _check_random(choose_replica, rounds=400):
@@ -293,18 +285,18 @@ def _check_random(choose_replica, rounds=400):
         want = _reference_choose(key, list(load), ref, **kw)
         if got != want:
             matches = [t.match(key) for t in ref]
-            _fail(f"[随机决定 #{k}] outstanding={load}、各树的匹配长度={matches}、key 长 {len(key)}、参数 {kw}："
-                  f"你选了 {got}，应为 {want}。按顺序检查：先看是否失衡；再看最长匹配是否 > 0 且 >= min_match_ratio × "
-                  f"len(key)；匹配并列时选在途少的，再并列选下标小的",
-                  f"[random decision #{k}] outstanding={load}, matches={matches}, key length {len(key)}, "
-                  f"args {kw}: you chose {got}, expected {want}. In order: imbalance first; then the longest "
-                  f"match if > 0 and >= min_match_ratio x len(key); equal matches -> fewer outstanding, then "
-                  f"smaller index")
+            fail(f"[随机决定 #{k}] outstanding={load}、各树的匹配长度={matches}、key 长 {len(key)}、参数 {kw}："
+                 f"你选了 {got}，应为 {want}。按顺序检查：先看是否失衡；再看最长匹配是否 > 0 且 >= min_match_ratio × "
+                 f"len(key)；匹配并列时选在途少的，再并列选下标小的",
+                 f"[random decision #{k}] outstanding={load}, matches={matches}, key length {len(key)}, "
+                 f"args {kw}: you chose {got}, expected {want}. In order: imbalance first; then the longest "
+                 f"match if > 0 and >= min_match_ratio x len(key); equal matches -> fewer outstanding, then "
+                 f"smaller index")
         if _sizes(mine) != _sizes(ref):
-            _fail(f"[随机决定 #{k}] 决定对了，但树的内容和参考实现不同（大小 {_sizes(mine)} vs {_sizes(ref)}）："
-                  f"每次决定后只调用一次 trees[replica].insert(key)",
-                  f"[random decision #{k}] right choice, but the trees differ from the reference (sizes "
-                  f"{_sizes(mine)} vs {_sizes(ref)}): call trees[replica].insert(key) exactly once per decision")
+            fail(f"[随机决定 #{k}] 决定对了，但树的内容和参考实现不同（大小 {_sizes(mine)} vs {_sizes(ref)}）："
+                 f"每次决定后只调用一次 trees[replica].insert(key)",
+                 f"[random decision #{k}] right choice, but the trees differ from the reference (sizes "
+                 f"{_sizes(mine)} vs {_sizes(ref)}): call trees[replica].insert(key) exactly once per decision")
         load[want] += 1
         if rng.random() < 0.5:               # requests finish now and then
             busy = [i for i in range(n) if load[i]]
@@ -375,33 +367,32 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
+def _in_simulator(name, error):
+    return (f"在模拟器里运行你的 choose_replica 时出错：{type(error).__name__}: {error}",
+            f"running your choose_replica in the simulator failed: {type(error).__name__}: {error}")
+
+
 def check_routing_in_simulator(choose_replica, plot=True):
     """Your policy vs round-robin on 4 simulated A100s: a clearly higher hit rate, a lower mean TTFT."""
-    try:
-        rows = routing_comparison(choose_replica)
-    except (NotImplementedError, AssertionError):
-        raise
-    except Exception as e:
-        _fail(f"在模拟器里运行你的 choose_replica 时出错：{type(e).__name__}: {e}",
-              f"running your choose_replica in the simulator failed: {type(e).__name__}: {e}")
+    rows = call(routing_comparison, "routing_comparison", choose_replica, explain=_in_simulator)
     print(format_rows(rows))
     rr, yours = rows[0], rows[-1]
     if yours["unfinished"]:
-        _fail(f"有 {yours['unfinished']} 条请求没有完成", f"{yours['unfinished']} requests did not finish")
+        fail(f"有 {yours['unfinished']} 条请求没有完成", f"{yours['unfinished']} requests did not finish")
     if yours["hit_rate"] < rr["hit_rate"] + 0.15:
-        _fail(f"你的策略命中率 {yours['hit_rate']:.3f}，轮询是 {rr['hit_rate']:.3f}：没有明显提高（至少要高 0.15）。"
-              f"同一组的请求应该被送到已经缓存了这段前缀的副本——检查是否用 tree.match(key) 找最长匹配，"
-              f"以及选完之后是否把 key 记进了那棵树",
-              f"your policy's hit rate {yours['hit_rate']:.3f} vs round-robin {rr['hit_rate']:.3f}: not clearly "
-              f"higher (needs +0.15). Requests of a group should go to the replica that already caches their "
-              f"prefix: use tree.match(key) for the longest match, and record the key in the chosen tree")
+        fail(f"你的策略命中率 {yours['hit_rate']:.3f}，轮询是 {rr['hit_rate']:.3f}：没有明显提高（至少要高 0.15）。"
+             f"同一组的请求应该被送到已经缓存了这段前缀的副本——检查是否用 tree.match(key) 找最长匹配，"
+             f"以及选完之后是否把 key 记进了那棵树",
+             f"your policy's hit rate {yours['hit_rate']:.3f} vs round-robin {rr['hit_rate']:.3f}: not clearly "
+             f"higher (needs +0.15). Requests of a group should go to the replica that already caches their "
+             f"prefix: use tree.match(key) for the longest match, and record the key in the chosen tree")
     if yours["mean_ttft"] >= rr["mean_ttft"]:
-        _fail(f"命中率提高了，但平均首字延迟 {1e3 * yours['mean_ttft']:.1f} ms 并不比轮询的 "
-              f"{1e3 * rr['mean_ttft']:.1f} ms 低：多半是请求挤到了少数副本上排队。检查失衡保护"
-              f"（is_imbalanced 为真时要选最空闲的副本）",
-              f"the hit rate went up but mean TTFT {1e3 * yours['mean_ttft']:.1f} ms is not below round-robin's "
-              f"{1e3 * rr['mean_ttft']:.1f} ms: requests probably pile up on a few replicas. Check the load "
-              f"guard (when imbalanced, take the least loaded replica)")
+        fail(f"命中率提高了，但平均首字延迟 {1e3 * yours['mean_ttft']:.1f} ms 并不比轮询的 "
+             f"{1e3 * rr['mean_ttft']:.1f} ms 低：多半是请求挤到了少数副本上排队。检查失衡保护"
+             f"（is_imbalanced 为真时要选最空闲的副本）",
+             f"the hit rate went up but mean TTFT {1e3 * yours['mean_ttft']:.1f} ms is not below round-robin's "
+             f"{1e3 * rr['mean_ttft']:.1f} ms: requests probably pile up on a few replicas. Check the load "
+             f"guard (when imbalanced, take the least loaded replica)")
     if plot:
         import matplotlib.pyplot as plt
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, crossover_batch
-from tinyserve.metrics import diagnose
+from tinyserve.labs.hints import fail
+from tinyserve.diagnose import diagnose
 from tinyserve.sim import simulate
 from tinyserve.workload import RequestSpec, make_workload
 
@@ -74,34 +75,30 @@ def capstone_problem(seed: int = 0) -> CapstoneProblem:
     return CapstoneProblem(specs, dict(BASELINE))
 
 
-def _fail(zh: str, en: str):
-    raise AssertionError(f"{zh}\n/ {en}")
-
-
 def _validate(config) -> dict:
     if not isinstance(config, dict):
-        _fail(f"config 应该是一个 dict（旋钮名 → 值），你给的是 {type(config).__name__}。",
-              f"config must be a dict (knob name -> value), got {type(config).__name__}.")
+        fail(f"config 应该是一个 dict（旋钮名 → 值），你给的是 {type(config).__name__}。",
+             f"config must be a dict (knob name -> value), got {type(config).__name__}.")
     unknown = sorted(set(config) - set(ALLOWED))
     if unknown:
         extra_zh = "；预算只有一张卡，不能加副本" if {"num_replicas", "routing"} & set(unknown) else ""
         extra_en = "; the budget is one GPU, no replicas" if {"num_replicas", "routing"} & set(unknown) else ""
-        _fail(f"不认识的旋钮 {unknown}{extra_zh}。能调的只有：{sorted(ALLOWED)}。",
-              f"unknown knobs {unknown}{extra_en}. You may set only: {sorted(ALLOWED)}.")
+        fail(f"不认识的旋钮 {unknown}{extra_zh}。能调的只有：{sorted(ALLOWED)}。",
+             f"unknown knobs {unknown}{extra_en}. You may set only: {sorted(ALLOWED)}.")
     if config.get("dtype", "fp16") != "fp16":
-        _fail("这次不许量化：质量团队还没有验收 INT8，而且按章节的顺序，模型层面的手段排在最后。"
-              "先把批、分块和缓存调好。",
-              "quantization is off the table: INT8 is not signed off, and in the chapter's order "
-              "model-level levers come last. Tune the batch, chunking and cache first.")
+        fail("这次不许量化：质量团队还没有验收 INT8，而且按章节的顺序，模型层面的手段排在最后。"
+             "先把批、分块和缓存调好。",
+             "quantization is off the table: INT8 is not signed off, and in the chapter's order "
+             "model-level levers come last. Tune the batch, chunking and cache first.")
     for key in ("max_num_seqs", "max_num_batched_tokens"):
         if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool)
                               or config[key] < 1):
-            _fail(f"{key} 必须是 >= 1 的整数，你给的是 {config[key]!r}。",
-                  f"{key} must be an integer >= 1, got {config[key]!r}.")
+            fail(f"{key} 必须是 >= 1 的整数，你给的是 {config[key]!r}。",
+                 f"{key} must be an integer >= 1, got {config[key]!r}.")
     for key in ("enable_chunked_prefill", "enable_prefix_caching"):
         if key in config and not isinstance(config[key], bool):
-            _fail(f"{key} 必须是 True 或 False，你给的是 {config[key]!r}。",
-                  f"{key} must be True or False, got {config[key]!r}.")
+            fail(f"{key} 必须是 True 或 False，你给的是 {config[key]!r}。",
+                 f"{key} must be True or False, got {config[key]!r}.")
     return dict(BASELINE) | dict(config)
 
 
@@ -114,9 +111,9 @@ def run_capstone(config: dict, problem: CapstoneProblem | None = None) -> dict:
         result = simulate(problem.specs, problem.hardware, problem.model, **knobs)
     except ValueError as e:
         unchunked = not knobs["enable_chunked_prefill"]
-        _fail(f"模拟器拒绝了这个配置：{e}" + ("。不分块时，token 预算必须装得下最长的请求" if unchunked else ""),
-              f"the simulator rejected this config: {e}"
-              + (". Without chunking the token budget must hold the longest request" if unchunked else ""))
+        fail(f"模拟器拒绝了这个配置：{e}" + ("。不分块时，token 预算必须装得下最长的请求" if unchunked else ""),
+             f"the simulator rejected this config: {e}"
+             + (". Without chunking the token budget must hold the longest request" if unchunked else ""))
     return result.summary(ttft_slo=problem.ttft_slo, tpot_slo=problem.tpot_slo)
 
 
@@ -150,11 +147,11 @@ def check_capstone(config: dict, seed: int = 0) -> dict:
         d = diagnose(yours, problem.ttft_slo, problem.tpot_slo,
                      crossover=crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16"),
                      max_num_seqs=knobs["max_num_seqs"], prefix_share=problem.prefix_share)
-        _fail(f"有效吞吐 {yours['goodput']:.2f} 请求/秒，还没到目标 {problem.target_goodput:.2f}。"
-              f"按顺序看，你的配置现在卡在「{d.stage}」这一层：{d.finding} 建议：{d.action}。"
-              f"一次只改一个旋钮，先预测指标会怎样动，再跑一次。",
-              f"goodput {yours['goodput']:.2f} req/s is below the target {problem.target_goodput:.2f}. "
-              f"In the tuning order your config now stops at '{d.stage}'. Suggested: {d.action}. "
-              f"Change one knob at a time, predict how the numbers move, then rerun.")
+        fail(f"有效吞吐 {yours['goodput']:.2f} 请求/秒，还没到目标 {problem.target_goodput:.2f}。"
+             f"按顺序看，你的配置现在卡在「{d.stage}」这一层：{d.finding} 建议：{d.action}。"
+             f"一次只改一个旋钮，先预测指标会怎样动，再跑一次。",
+             f"goodput {yours['goodput']:.2f} req/s is below the target {problem.target_goodput:.2f}. "
+             f"In the tuning order your config now stops at '{d.stage}'. Suggested: {d.action}. "
+             f"Change one knob at a time, predict how the numbers move, then rerun.")
     print("✓ 达标：按判断顺序调好了批、分块和缓存 / target met: batch, chunking and cache are tuned in order")
     return yours

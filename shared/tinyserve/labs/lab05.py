@@ -1,11 +1,11 @@
 """Checks for lab 05 (see solutions/lab05_priority_aging.ipynb): priority with aging.
 
-The student writes a ``tinyserve.scheduler.Policy`` subclass whose
+The student writes a ``tinyserve.policies.Policy`` subclass whose
 ``choose(waiting, now, running)`` returns the index of the request to admit
 next: the smallest ``priority - aging * (now - arrival_time)``, ties to the
 earlier position. The checks call it directly on hand-built queues and run it
 inside the real scheduler through ``tinyserve.sim.simulate``, comparing with
-``tinyserve.scheduler.PriorityPolicy``. Each failure raises ``AssertionError``
+``tinyserve.policies.PriorityPolicy``. Each failure raises ``AssertionError``
 with a hint in Chinese and English.
 """
 
@@ -13,29 +13,21 @@ from __future__ import annotations
 
 import random
 
+from tinyserve.labs.hints import call, fail
 from tinyserve.request import Request, SamplingParams
-from tinyserve.scheduler import Policy, PriorityPolicy
+from tinyserve.policies import Policy, PriorityPolicy
 from tinyserve.workload import RequestSpec, make_workload
 
 __all__ = ["check_aging_argument", "check_priority_choice", "check_equal_priorities_is_fcfs",
            "check_bounded_starvation"]
 
 
-def _fail(zh: str, en: str):
-    raise AssertionError(f"{zh}\n/ {en}")
-
-
 def _build(policy_cls, aging):
-    try:
-        policy = policy_cls(aging=aging)
-    except NotImplementedError:
-        raise
-    except Exception as e:
-        _fail(f"{policy_cls.__name__}(aging={aging!r}) 抛出了 {type(e).__name__}: {e}",
-              f"{policy_cls.__name__}(aging={aging!r}) raised {type(e).__name__}: {e}")
+    policy = call(policy_cls, f"{policy_cls.__name__}(aging={aging!r})", aging=aging,
+                  let_through=(NotImplementedError,))
     if not isinstance(policy, Policy):
-        _fail(f"{policy_cls.__name__} 要继承 tinyserve.scheduler.Policy，调度器才能用它（class X(Policy): ...）",
-              f"{policy_cls.__name__} must subclass tinyserve.scheduler.Policy for the scheduler to use it")
+        fail(f"{policy_cls.__name__} 要继承 tinyserve.policies.Policy，调度器才能用它（class X(Policy): ...）",
+             f"{policy_cls.__name__} must subclass tinyserve.policies.Policy for the scheduler to use it")
     return policy
 
 
@@ -50,21 +42,21 @@ def check_aging_argument(policy_cls):
             policy_cls(aging=aging)
         except ValueError as e:
             if "aging" not in str(e):
-                _fail(f"aging={aging} 抛出了 ValueError，但信息里没有写出参数名：{e!r}。写成例如 "
-                      f"ValueError(f\"aging must be >= 0, got {{aging!r}}\")",
-                      f"aging={aging} raised ValueError, but the message does not name the field: {e!r}. "
-                      f"Write e.g. ValueError(f\"aging must be >= 0, got {{aging!r}}\")")
+                fail(f"aging={aging} 抛出了 ValueError，但信息里没有写出参数名：{e!r}。写成例如 "
+                     f"ValueError(f\"aging must be >= 0, got {{aging!r}}\")",
+                     f"aging={aging} raised ValueError, but the message does not name the field: {e!r}. "
+                     f"Write e.g. ValueError(f\"aging must be >= 0, got {{aging!r}}\")")
             continue
         except NotImplementedError:
             raise
         except Exception as e:
-            _fail(f"aging={aging} 应该抛出 ValueError，实际抛出了 {type(e).__name__}: {e}",
-                  f"aging={aging} should raise ValueError, got {type(e).__name__}: {e}")
-        _fail(f"aging={aging} 被接受了。负的老化速度会让等得越久的请求越靠后——饥饿反而更严重。在 __init__ 里检查并抛出 "
-              f"ValueError（信息里写出 aging）",
-              f"aging={aging} was accepted. A negative aging rate pushes a request further back the "
-              f"longer it waits, making starvation worse. Check it in __init__ and raise ValueError "
-              f"(naming aging)")
+            fail(f"aging={aging} 应该抛出 ValueError，实际抛出了 {type(e).__name__}: {e}",
+                 f"aging={aging} should raise ValueError, got {type(e).__name__}: {e}")
+        fail(f"aging={aging} 被接受了。负的老化速度会让等得越久的请求越靠后——饥饿反而更严重。在 __init__ 里检查并抛出 "
+             f"ValueError（信息里写出 aging）",
+             f"aging={aging} was accepted. A negative aging rate pushes a request further back the "
+             f"longer it waits, making starvation worse. Check it in __init__ and raise ValueError "
+             f"(naming aging)")
     print("✓ aging < 0 被拒绝（ValueError），0 与正数可以 / negative aging rejected with ValueError; "
           "0 and positive rates accepted")
 
@@ -150,21 +142,16 @@ def check_priority_choice(policy_cls):
     for case in cases:
         label, waiting, now, aging = case
         policy = _build(policy_cls, aging)
-        try:
-            got = policy.choose(list(waiting), now, [])
-        except NotImplementedError:
-            raise
-        except Exception as e:
-            _fail(f"[{label}] choose 抛出了 {type(e).__name__}: {e}",
-                  f"[{label}] choose raised {type(e).__name__}: {e}")
+        got = call(policy.choose, "choose", list(waiting), now, [], where=(f"[{label}] ",) * 2,
+                   let_through=(NotImplementedError,))
         if isinstance(got, Request):
-            _fail(f"[{label}] choose 返回了请求对象本身；它要返回这个请求在 waiting 里的**下标**（int），调度器用它 "
-                  f"del waiting[index]",
-                  f"[{label}] choose returned the Request itself; return its *index* in waiting (an int): "
-                  f"the scheduler does del waiting[index] with it")
+            fail(f"[{label}] choose 返回了请求对象本身；它要返回这个请求在 waiting 里的**下标**（int），调度器用它 "
+                 f"del waiting[index]",
+                 f"[{label}] choose returned the Request itself; return its *index* in waiting (an int): "
+                 f"the scheduler does del waiting[index] with it")
         if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got < len(waiting):
-            _fail(f"[{label}] choose 返回了 {got!r}；应返回 0 到 {len(waiting) - 1} 之间的整数下标",
-                  f"[{label}] choose returned {got!r}; return an int index between 0 and {len(waiting) - 1}")
+            fail(f"[{label}] choose 返回了 {got!r}；应返回 0 到 {len(waiting) - 1} 之间的整数下标",
+                 f"[{label}] choose returned {got!r}; return an int index between 0 and {len(waiting) - 1}")
         answers.append((case, got))
     for (label, waiting, now, aging), got in answers:
         want = PriorityPolicy(aging=aging).choose(waiting, now, [])
@@ -172,9 +159,9 @@ def check_priority_choice(policy_cls):
             table = ", ".join(f"#{i}: priority={r.priority} arrival={r.arrival_time:g} "
                               f"effective={_effective(r, now, aging):g}" for i, r in enumerate(waiting))
             zh, en = _diagnose_choice(answers)
-            _fail(f"[{label}] now={now:g}, aging={aging:g}，队列：{table}。你选了 #{got}，应选 #{want}。{zh}",
-                  f"[{label}] now={now:g}, aging={aging:g}, queue: {table}. You chose #{got}, expected "
-                  f"#{want}. {en}")
+            fail(f"[{label}] now={now:g}, aging={aging:g}，队列：{table}。你选了 #{got}，应选 #{want}。{zh}",
+                 f"[{label}] now={now:g}, aging={aging:g}, queue: {table}. You chose #{got}, expected "
+                 f"#{want}. {en}")
     print(f"✓ {len(cases)} 个队列上的选择都与参考实现一致（数值小者先、老化、并列按到达顺序、返回下标）\n"
           f"/ every choice on {len(cases)} queues matches the reference (lower value first, "
           f"aging, ties in arrival order, an index returned)")
@@ -194,13 +181,13 @@ FCFS_RUNS = (
 
 def _simulate(specs, policy, **engine):
     from tinyserve.sim import simulate
-    try:
-        return simulate(specs, policy=policy, record_batches=True, **engine)
-    except NotImplementedError:
-        raise
-    except Exception as e:
-        _fail(f"把你的策略放进调度器运行时出错：{type(e).__name__}: {e}",
-              f"running your policy inside the scheduler failed: {type(e).__name__}: {e}")
+    return call(simulate, "simulate", specs, policy=policy, record_batches=True, **engine,
+                let_through=(NotImplementedError,), explain=_in_scheduler)
+
+
+def _in_scheduler(name, error):
+    return (f"把你的策略放进调度器运行时出错：{type(error).__name__}: {error}",
+            f"running your policy inside the scheduler failed: {type(error).__name__}: {error}")
 
 
 def check_equal_priorities_is_fcfs(policy_cls, agings=(0.0, 1.0, 50.0)):
@@ -224,14 +211,14 @@ def check_equal_priorities_is_fcfs(policy_cls, agings=(0.0, 1.0, 50.0)):
                     else:
                         extra = ("优先级相同时，等得最久的请求有效优先级最小，应最先被选中。", "with equal priorities "
                                  "the request that waited longest has the smallest effective value and must go first.")
-                    _fail(f"[{run['name']}, aging={aging:g}] 所有请求的 priority 都是 0，调度应与先来先服务完全一致，"
-                          f"但第 {k} 步（t={a.start:.3f} s）的批不同：你的策略 {got[:12]}，FCFS {want[:12]}。{extra[0]}",
-                          f"[{run['name']}, aging={aging:g}] every priority is 0, so scheduling must equal FCFS, "
-                          f"but step {k} (t={a.start:.3f} s) differs: yours {got[:12]}, FCFS {want[:12]}. {extra[1]}")
+                    fail(f"[{run['name']}, aging={aging:g}] 所有请求的 priority 都是 0，调度应与先来先服务完全一致，"
+                         f"但第 {k} 步（t={a.start:.3f} s）的批不同：你的策略 {got[:12]}，FCFS {want[:12]}。{extra[0]}",
+                         f"[{run['name']}, aging={aging:g}] every priority is 0, so scheduling must equal FCFS, "
+                         f"but step {k} (t={a.start:.3f} s) differs: yours {got[:12]}, FCFS {want[:12]}. {extra[1]}")
             if len(result.steps) != len(fcfs.steps):
-                _fail(f"[{run['name']}, aging={aging:g}] 步数不同：你的 {len(result.steps)}，FCFS {len(fcfs.steps)}",
-                      f"[{run['name']}, aging={aging:g}] step counts differ: yours {len(result.steps)}, "
-                      f"FCFS {len(fcfs.steps)}")
+                fail(f"[{run['name']}, aging={aging:g}] 步数不同：你的 {len(result.steps)}，FCFS {len(fcfs.steps)}",
+                     f"[{run['name']}, aging={aging:g}] step counts differ: yours {len(result.steps)}, "
+                     f"FCFS {len(fcfs.steps)}")
             steps += len(result.steps)
     print(f"✓ 优先级全相同时，{len(FCFS_RUNS)} 个负载 × {len(agings)} 个老化速度、共 {steps} 步的批与先来先服务逐步相同"
           f"\n/ with equal priorities, {len(FCFS_RUNS)} workloads x {len(agings)} aging rates, {steps} steps: "
@@ -293,35 +280,15 @@ def check_bounded_starvation(policy_cls, aging=1.0, plot=True):
     rows0 = starvation_report(starved, 0.0)
     rows = starvation_report(aged, aging)
     p = cfg["low_priority"]
-    # aging = 0: a priority-5 request is admitted only when no priority-0 request is waiting.
-    stream = [(o.spec.arrival, o.metrics.first_scheduled_time) for o in starved if o.spec.priority == 0]
-    for (a, w, _) in rows0:
-        admitted = a + w
-        jumped = [(ra, rs) for ra, rs in stream if ra <= admitted and (rs is None or rs > admitted)]
-        if jumped:
-            _fail(f"aging=0 时，priority={p} 的请求（t={a:.2f} s 到达）在 {admitted:.2f} s 就被接纳了，可那时还有 "
-                  f"{len(jumped)} 条 priority=0 的请求在排队（最早的 t={jumped[0][0]:.2f} s 到达）。没有老化时，数值大的请求要等"
-                  f"所有数值小的请求都走完。检查 choose 是否真的按 priority 选、数值小的先",
-                  f"with aging=0, a priority-{p} request (arrived t={a:.2f} s) was admitted at {admitted:.2f} s "
-                  f"while {len(jumped)} priority-0 requests were queued (the first arrived t={jumped[0][0]:.2f} s). "
-                  f"Without aging it must wait for every lower value; check that choose picks by priority, "
-                  f"lower first")
-    for (a, w, bound) in rows:
-        if w > bound + 1e-9:
-            _fail(f"aging={aging:g} 时，priority={p} 的请求（t={a:.2f} s 到达）等了 {w:.2f} s，超过了上界 {bound:.2f} s"
-                  f"（= 比它晚 p/aging = {p / aging:g} s 到达的第一个 priority=0 请求被接纳的时刻 − 它的到达时刻）："
-                  f"那个请求的有效优先级不可能比它小，不该先走。检查老化的符号和“等待时间 = now - arrival_time”",
-                  f"with aging={aging:g}, a priority-{p} request (arrived t={a:.2f} s) waited {w:.2f} s, more than "
-                  f"its bound {bound:.2f} s (when the first priority-0 request arriving p/aging = {p / aging:g} s "
-                  f"later was admitted, minus its arrival): that request never has a smaller effective priority "
-                  f"and must not go first. Check the sign of aging and waited = now - arrival_time")
+    _check_starves_without_aging(starved, rows0, p)
+    _check_within_bounds(rows, aging, p)
     got = [w for _, w, _ in rows]
     want = [w for _, w, _ in starvation_report(reference, aging)]
     if got != want:
-        _fail(f"aging={aging:g} 时 priority={p} 请求的等待时间与参考实现不同：你的 {[round(x, 2) for x in got]}，"
-              f"参考 {[round(x, 2) for x in want]}",
-              f"with aging={aging:g} the priority-{p} requests' waits differ from the reference: yours "
-              f"{[round(x, 2) for x in got]}, reference {[round(x, 2) for x in want]}")
+        fail(f"aging={aging:g} 时 priority={p} 请求的等待时间与参考实现不同：你的 {[round(x, 2) for x in got]}，"
+             f"参考 {[round(x, 2) for x in want]}",
+             f"with aging={aging:g} the priority-{p} requests' waits differ from the reference: yours "
+             f"{[round(x, 2) for x in got]}, reference {[round(x, 2) for x in want]}")
     max0 = max(w for _, w, _ in rows0)
     print(f"✓ priority={p} 的请求：aging=0 时最长等待 {max0:.1f} s（一直等到 priority=0 的请求流在 {end_of_stream:.1f} s 结束之后），"
           f"aging={aging:g} 时最长等待 {max(got):.1f} s，每一条都在预测的上界（p/aging = {p / aging:g} s + 那时 priority=0 "
@@ -329,18 +296,52 @@ def check_bounded_starvation(policy_cls, aging=1.0, plot=True):
           f"stream ends at {end_of_stream:.1f} s), {max(got):.1f} s at aging={aging:g}; each within its predicted "
           f"bound (p/aging = {p / aging:g} s + the priority-0 queueing delay then)")
     if plot:
-        import matplotlib.pyplot as plt
-        _, ax = plt.subplots(figsize=(5.5, 3.3), dpi=90)
-        ax.plot([a for a, _, _ in rows0], [w for _, w, _ in rows0], "o-", color="C3", label="aging = 0 (starves)")
-        ax.plot([a for a, _, _ in rows], got, "s-", color="C0", label=f"aging = {aging:g}")
-        ax.plot([a for a, _, _ in rows], [b for _, _, b in rows], "--", color="C0", alpha=0.6,
-                label="predicted bound")
-        stream = [(o.spec.arrival, o.metrics.queue_time) for o in aged if o.spec.priority == 0]
-        ax.plot(*zip(*stream), ".", color="gray", ms=2, alpha=0.5, label="priority-0 waits")
-        ax.set_xlabel("arrival time (s)")
-        ax.set_ylabel("queue wait (s)")
-        ax.set_title(f"Priority-{p} requests behind a priority-0 stream", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        plt.show()
+        _plot_starvation(rows0, rows, aged, aging, p)
     return rows0, rows
+
+
+def _check_starves_without_aging(starved, rows0, p):
+    """aging = 0: a priority-``p`` request is admitted only when no priority-0 request is waiting."""
+    stream = [(o.spec.arrival, o.metrics.first_scheduled_time) for o in starved if o.spec.priority == 0]
+    for (a, w, _) in rows0:
+        admitted = a + w
+        jumped = [(ra, rs) for ra, rs in stream if ra <= admitted and (rs is None or rs > admitted)]
+        if jumped:
+            fail(f"aging=0 时，priority={p} 的请求（t={a:.2f} s 到达）在 {admitted:.2f} s 就被接纳了，可那时还有 "
+                 f"{len(jumped)} 条 priority=0 的请求在排队（最早的 t={jumped[0][0]:.2f} s 到达）。没有老化时，数值大的请求要等"
+                 f"所有数值小的请求都走完。检查 choose 是否真的按 priority 选、数值小的先",
+                 f"with aging=0, a priority-{p} request (arrived t={a:.2f} s) was admitted at {admitted:.2f} s "
+                 f"while {len(jumped)} priority-0 requests were queued (the first arrived t={jumped[0][0]:.2f} s). "
+                 f"Without aging it must wait for every lower value; check that choose picks by priority, "
+                 f"lower first")
+
+
+def _check_within_bounds(rows, aging, p):
+    """aging > 0: every priority-``p`` request is admitted within its predicted bound."""
+    for (a, w, bound) in rows:
+        if w > bound + 1e-9:
+            fail(f"aging={aging:g} 时，priority={p} 的请求（t={a:.2f} s 到达）等了 {w:.2f} s，超过了上界 {bound:.2f} s"
+                 f"（= 比它晚 p/aging = {p / aging:g} s 到达的第一个 priority=0 请求被接纳的时刻 − 它的到达时刻）："
+                 f"那个请求的有效优先级不可能比它小，不该先走。检查老化的符号和“等待时间 = now - arrival_time”",
+                 f"with aging={aging:g}, a priority-{p} request (arrived t={a:.2f} s) waited {w:.2f} s, more than "
+                 f"its bound {bound:.2f} s (when the first priority-0 request arriving p/aging = {p / aging:g} s "
+                 f"later was admitted, minus its arrival): that request never has a smaller effective priority "
+                 f"and must not go first. Check the sign of aging and waited = now - arrival_time")
+
+
+def _plot_starvation(rows0, rows, aged, aging, p):
+    """The priority-``p`` requests' waits at aging 0 and ``aging``, the bound, the priority-0 waits."""
+    import matplotlib.pyplot as plt
+    _, ax = plt.subplots(figsize=(5.5, 3.3), dpi=90)
+    ax.plot([a for a, _, _ in rows0], [w for _, w, _ in rows0], "o-", color="C3", label="aging = 0 (starves)")
+    ax.plot([a for a, _, _ in rows], [w for _, w, _ in rows], "s-", color="C0", label=f"aging = {aging:g}")
+    ax.plot([a for a, _, _ in rows], [b for _, _, b in rows], "--", color="C0", alpha=0.6,
+            label="predicted bound")
+    stream = [(o.spec.arrival, o.metrics.queue_time) for o in aged if o.spec.priority == 0]
+    ax.plot(*zip(*stream), ".", color="gray", ms=2, alpha=0.5, label="priority-0 waits")
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel("queue wait (s)")
+    ax.set_title(f"Priority-{p} requests behind a priority-0 stream", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    plt.show()

@@ -1,0 +1,151 @@
+"""Figures for notebook 06 (scheduling policies): empirical CDFs (of TTFT,
+TPOT, or inter-token gaps, as notebook 08 uses it), starvation against aging,
+per-policy metric bars, the goodput heatmap, the one-run scheduling dashboard
+behind ``widgets.scheduling_playground``, and simulator-vs-engine fidelity.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from tinyserve.book.plots.common import ensure_axes, finish
+
+
+def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requests",
+        log=True, marks=None, scale=1.0):
+    """Empirical CDFs, one line per label; ``None`` values are skipped.
+
+    ``series`` maps a label to values (TTFTs, TPOTs, inter-token gaps, ...);
+    ``marks`` maps a label to an x value (e.g. an SLO) drawn as a dotted vertical
+    line. Values and marks are in the same unit and multiplied by ``scale`` for
+    the x axis (``scale=1e3`` to show seconds in ms).
+    """
+    ax = ensure_axes(ax, (5, 3.5))
+    for i, (label, values) in enumerate(series.items()):
+        v = np.sort(np.asarray([x for x in values if x is not None], dtype=float)) * scale
+        if v.size:
+            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=f"C{i}", lw=1.5, label=label)
+    for label, x in (marks or {}).items():
+        ax.axvline(x * scale, color="gray", ls=":", lw=1)
+        ax.annotate(label, (x * scale, 0.03), fontsize=7, color="gray", rotation=90, ha="right")
+    if log:
+        ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    return finish(ax, title, xlabel=xlabel, ylabel=ylabel, title_size=10, grid="both")
+
+
+def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=None, ax=None,
+                        title="Aging bounds the wait of long requests"):
+    """Max queue wait of long requests (left axis) and median TTFT of short ones (right
+    axis) against the aging rate; ``fcfs`` = (wait, ttft) drawn as horizontal lines;
+    ``predicted`` = (agings, waits) drawn dashed."""
+    ax = ensure_axes(ax, (5.5, 3.5))
+    x = np.asarray(agings, dtype=float)
+    ax.plot(x, long_waits, "o-", color="C3", label="long: max queue wait")
+    if predicted is not None:
+        ax.plot(*predicted, "--", color="C3", alpha=0.6, label="long: predicted bound")
+    if fcfs is not None:
+        ax.axhline(fcfs[0], color="C3", ls=":", lw=1, label="long: FCFS")
+    ax.set_xscale("symlog", linthresh=max(1.0, float(np.min(x[x > 0])) if (x > 0).any() else 1.0))
+    ax.set_xlabel("aging (tokens of priority per second waited)")
+    ax.set_ylabel("max queue wait of long requests (s)", color="C3")
+    right = ax.twinx()
+    right.plot(x, np.asarray(short_ttfts) * 1e3, "s-", color="C0", label="short: median TTFT")
+    if fcfs is not None:
+        right.axhline(fcfs[1] * 1e3, color="C0", ls=":", lw=1, label="short: FCFS")
+    right.set_ylabel("median TTFT of short requests (ms)", color="C0")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="center right")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def metric_bars(labels, panels, axes=None, title=None):
+    """Side-by-side bar panels: ``panels`` maps a panel title to one value per label
+    (or to ``(measured, predicted)`` lists, the prediction drawn as a hollow bar)."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), dpi=90)
+    axes = np.atleast_1d(axes)
+    x = np.arange(len(labels))
+    for ax, (name, values) in zip(axes, panels.items()):
+        if isinstance(values, tuple):
+            measured, predicted = values
+            ax.bar(x - 0.2, measured, 0.4, color=[f"C{i}" for i in range(len(labels))], label="measured")
+            ax.bar(x + 0.2, predicted, 0.4, fill=False, edgecolor="k", hatch="//", label="predicted")
+            ax.legend(fontsize=7)
+        else:
+            measured = values
+            ax.bar(x, measured, 0.6, color=[f"C{i}" for i in range(len(labels))])
+        for xi, v in zip(x, measured):
+            ax.annotate(f"{v:.3g}", (xi - (0.2 if isinstance(values, tuple) else 0), v), ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(x, labels, rotation=20, fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    if title:
+        axes[0].figure.suptitle(title, fontsize=10)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def goodput_heatmap(table, policies, workloads, ax=None, title="Goodput under SLOs (requests/s)",
+                    fmt="{:.2f}"):
+    """``table[policy][workload]`` as a heatmap; each column's best policy is boxed."""
+    ax = ensure_axes(ax, (1.6 * len(workloads) + 2, 0.5 * len(policies) + 1.5))
+    data = np.array([[table[p][w] for w in workloads] for p in policies], dtype=float)
+    # Colour each column by its own range: the workloads' absolute goodputs differ.
+    lo, hi = data.min(axis=0), data.max(axis=0)
+    scaled = (data - lo) / np.where(hi > lo, hi - lo, 1.0)
+    ax.imshow(scaled, cmap="YlGn", aspect="auto", vmin=-0.2, vmax=1.1)
+    for i in range(len(policies)):
+        for j in range(len(workloads)):
+            best = data[i, j] == hi[j]
+            ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=8,
+                    fontweight="bold" if best else "normal")
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
+    ax.set_yticks(range(len(policies)), policies, fontsize=8)
+    ax.set_title(title + "\n(colour: rank within each workload; bold: best)", fontsize=9)
+    return ax
+
+
+def scheduling_dashboard(result, label=None, axes=None, ttft_slo=None, tpot_slo=None):
+    """One simulated run at a glance: TTFT CDF, TPOT CDF, queue length over time.
+    ``result`` is a ``tinyserve.sim.SimResult`` (or a dict label -> SimResult to compare)."""
+    runs = result if isinstance(result, dict) else {label or result.config.get("policy", "run"): result}
+    if axes is None:
+        _, axes = plt.subplots(1, 3, figsize=(12, 3.3), dpi=90)
+    ttft = {k: [m.ttft for m in r.metrics if m.ttft is not None] for k, r in runs.items()}
+    tpot = {k: [m.tpot for m in r.metrics if m.tpot is not None] for k, r in runs.items()}
+    cdf(ttft, ax=axes[0], title="TTFT", xlabel="TTFT (s)",
+        marks={"SLO": ttft_slo} if ttft_slo else None)
+    cdf(tpot, ax=axes[1], title="TPOT", xlabel="TPOT (ms)", scale=1e3,
+        marks={"SLO": tpot_slo} if tpot_slo else None)
+    for i, (k, r) in enumerate(runs.items()):
+        axes[2].step([s.start for s in r.steps], [s.num_waiting for s in r.steps], where="post",
+                     color=f"C{i}", lw=1.2, label=k)
+    finish(axes[2], "Queue length", xlabel="simulated time (s)", ylabel="requests waiting", title_size=10)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine (this CPU)"):
+    """Bars of engine vs simulator per metric (rows from ``sim_bench.fidelity``), errors on top."""
+    ax = ensure_axes(ax, (7, 3.2))
+    rows = [r for r in rows if r["metric"] != "steps"]
+    x = np.arange(len(rows))
+    engine = [1.0] * len(rows)
+    simulated = [r["simulator"] / r["engine"] for r in rows]
+    ax.bar(x - 0.2, engine, 0.4, label="real engine (= 1)")
+    ax.bar(x + 0.2, simulated, 0.4, label="simulator / engine")
+    for xi, r in zip(x, rows):
+        ax.text(xi + 0.2, r["simulator"] / r["engine"] + 0.02, f"{100 * r['error']:+.0f}%",
+                ha="center", fontsize=8)
+    ax.axhspan(0.8, 1.2, color="grey", alpha=0.15, label="within 20%")
+    ax.set_xticks(x, [r["metric"] for r in rows], fontsize=8)
+    ax.set_ylabel("ratio to the real engine")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    return ax

@@ -1,0 +1,318 @@
+"""The chapter's order of tuning, as a function: ``diagnose(summary, ttft_slo, tpot_slo)``.
+
+1. Which stage is slow: ``{stat}_ttft`` against ``ttft_slo`` and ``{stat}_tpot``
+   against ``tpot_slo`` (seconds). TTFT slow alone → queueing or prefill (told
+   apart by ``mean_queue_time / mean_ttft``); TPOT slow alone → decode steps
+   (stalled by prefills, too large a batch, or the bandwidth floor); both →
+   overload (queue length; add capacity or rate-limit).
+2. Batch size: ``mean_batch_size`` against ``crossover`` and ``max_num_seqs``.
+3. Prefix cache: ``prefix_cache_hit_rate`` against ``prefix_share`` (the share of
+   prompt tokens you expect to be a reusable prefix) and the ``routing`` policy.
+4. Only then model-level levers (quantization, speculative decoding, parallelism).
+
+Each step is one function below; ``diagnose`` returns the first problem found,
+with the numbers it compared (``Diagnosis.evidence``) so the reader sees the
+rule that fired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Every stage ``diagnose`` may return, in the order it looks.
+STAGES = ("overload", "queueing", "prefill", "decode", "batch", "cache", "healthy")
+STATS = ("mean", "median", "p99")
+
+# Thresholds (documented, returned in the evidence so a reader sees the rule applied).
+QUEUE_SHARE = 0.5        # queueing dominates TTFT when queue time is at least this share of it
+ITL_SPIKE = 6.0          # p99 ITL this many times the median ITL: decodes are being stalled
+BATCH_CAPPED = 0.75      # mean batch >= this share of max_num_seqs: the cap is binding
+SMALL_BATCH = 0.5        # a capped batch below this share of the crossover amortises poorly
+CACHE_MISS = 0.5         # hit rate below this share of the expected prefix share: reuse is lost
+
+MODEL_LEVERS = ("model-level levers, only now (模型层面的手段，最后才看): quantization (量化), "
+                "speculative decoding (投机解码), tensor/pipeline parallelism (并行) — see the later chapters")
+REST = ["batch size vs crossover (批大小对照交叉点)", "prefix-cache hit rate (前缀缓存命中率)", MODEL_LEVERS]
+CHUNK_NOTE = ("; inter-token gaps spike too, so also cap the prefill per step (enable_chunked_prefill, "
+              "a smaller max_num_batched_tokens) (出字间隔也有尖峰：顺便打开分块预填充、减小 token 预算)")
+OPTIONAL_KEYS = ("mean_ttft", "mean_queue_time", "max_queue_length", "queue_growth_rate", "arrival_rate",
+                 "request_throughput", "median_itl", "p99_itl", "prefix_cache_hit_rate",
+                 "prefill_token_share", "mean_step_time")
+
+
+@dataclass
+class Diagnosis:
+    """What ``diagnose`` found, the numbers behind it, and what to do about it.
+
+    ``stage`` is where in the tuning order the problem sits: ``"queueing"``,
+    ``"prefill"``, ``"overload"``, ``"decode"`` (step 1: which stage is slow),
+    ``"batch"`` (step 2), ``"cache"`` (step 3) or ``"healthy"`` (step 4: only
+    model-level levers left). ``evidence`` maps each quantity used
+    to its value, with the threshold it was compared against.
+    """
+    stage: str
+    finding: str                # one Chinese sentence (English in parentheses)
+    action: str
+    evidence: dict = field(default_factory=dict)
+    next: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"[{self.stage}] {self.finding}", f"  action: {self.action}"]
+        for key, value in self.evidence.items():
+            lines.append(f"  {key}: {format_value(value)}")
+        if self.next:
+            lines.append("  next: " + "; ".join(self.next))
+        return "\n".join(lines)
+
+
+def format_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, tuple):
+        return " vs ".join(format_value(v) for v in value)
+    return str(value)
+
+
+# ---- reading the inputs ----------------------------------------------------------------
+
+def number(summary: dict, key: str, required: bool = True) -> float | None:
+    if key not in summary:
+        if required:
+            raise ValueError(f"summary: missing key {key!r} (pass SimResult.summary(...) or summarize(...))")
+        return None
+    value = summary[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"summary: {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def positive(name: str, value, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
+            or value != value or value == float("inf"):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def check_knobs(max_num_seqs, prefix_share, routing) -> None:
+    if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool)
+                                     or max_num_seqs < 1):
+        raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    if prefix_share is not None and (not isinstance(prefix_share, (int, float)) or not 0 <= prefix_share <= 1):
+        raise ValueError(f"prefix_share must be in [0, 1], got {prefix_share!r}")
+    if routing is not None and not isinstance(routing, str):
+        raise ValueError(f"routing must be a policy name (str), got {routing!r}")
+
+
+@dataclass
+class Facts:
+    """The numbers of one summary and what follows from them; ``evidence`` grows as
+    the steps look at them, in the order they look."""
+    ttft: float
+    tpot: float
+    batch: float | None
+    crossover: float | None
+    max_num_seqs: int | None
+    prefix_share: float | None
+    routing: str | None
+    opt: dict
+    evidence: dict
+
+    @property
+    def capped(self) -> bool:
+        return (self.batch is not None and self.max_num_seqs is not None
+                and self.batch >= BATCH_CAPPED * self.max_num_seqs)
+
+    @property
+    def small(self) -> bool:
+        return self.batch is not None and self.crossover is not None and self.batch < SMALL_BATCH * self.crossover
+
+    @property
+    def raise_batch(self) -> str | None:
+        return ("raise max_num_seqs toward the crossover (把 max_num_seqs 调大，向交叉点靠拢)"
+                if self.capped and self.small else None)
+
+    @property
+    def hit(self) -> float | None:
+        return self.opt["prefix_cache_hit_rate"]
+
+    @property
+    def cache_lost(self) -> bool:
+        return (self.prefix_share is not None and self.prefix_share > 0
+                and (self.hit is None or self.hit < CACHE_MISS * self.prefix_share))
+
+    @property
+    def fix_cache(self) -> str:
+        if self.routing is not None and self.routing != "cache_aware":
+            return "route cache-aware so each prefix lands where it is cached (改用缓存感知路由)"
+        return "enable_prefix_caching=True, and cache-aware routing across replicas (打开前缀缓存)"
+
+    @property
+    def free_capacity(self) -> str | None:
+        """Capacity the engine already has comes before buying more: first a batch capped
+        below the crossover, then prefills recomputed for lack of cache hits."""
+        if self.raise_batch:
+            return self.raise_batch
+        return self.fix_cache + " — prefill is being recomputed (预填充在重复计算)" if self.cache_lost else None
+
+    @property
+    def spike(self) -> float | None:
+        p99, median = self.opt["p99_itl"], self.opt["median_itl"]
+        return p99 / median if p99 is not None and median else None
+
+    def add(self, keys) -> None:
+        for key in keys:
+            if self.opt[key] is not None:
+                self.evidence[key] = self.opt[key]
+
+    def add_batch(self) -> None:
+        if self.batch is not None:
+            self.evidence["mean_batch_size"] = self.batch
+        if self.max_num_seqs is not None:
+            self.evidence[f"max_num_seqs (capped at >= {BATCH_CAPPED:.0%})"] = self.max_num_seqs
+        if self.crossover is not None:
+            self.evidence[f"crossover (small below {SMALL_BATCH:.0%})"] = self.crossover
+
+    def add_cache(self) -> None:
+        if self.prefix_share is not None and self.prefix_share > 0:
+            self.evidence[f"prefix_cache_hit_rate (low below {CACHE_MISS:.0%} of expected)"] = (
+                self.hit if self.hit is not None else float("nan"))
+            self.evidence["expected prefix_share"] = self.prefix_share
+            if self.routing is not None:
+                self.evidence["routing"] = self.routing
+
+    def add_spike(self) -> None:
+        self.evidence[f"p99_itl / median_itl (stalls at >= {ITL_SPIKE:g})"] = self.spike
+
+
+# ---- the steps -------------------------------------------------------------------------
+
+def overload(f: Facts) -> Diagnosis:
+    f.add(("max_queue_length", "queue_growth_rate", "arrival_rate", "request_throughput"))
+    f.add_batch()
+    f.add_cache()
+    action = f.free_capacity or ("add capacity (more replicas/GPUs) or rate-limit admissions "
+                                 "(加容量：更多副本/卡；或者限流)")
+    if f.spike is not None:
+        f.add_spike()
+        if f.spike >= ITL_SPIKE and not f.free_capacity:
+            action += CHUNK_NOTE
+    return Diagnosis("overload", "首字和出字一起超标，队列在变长：请求来得比处理得快（过载）"
+                     "(TTFT and TPOT both miss and the queue grows: requests arrive faster than they "
+                     "are served).", action, f.evidence, REST)
+
+
+def slow_first_token(f: Facts) -> Diagnosis:
+    """TTFT misses, TPOT holds: queueing if the queue takes most of TTFT, else prefill."""
+    share = None
+    if f.opt["mean_queue_time"] is not None and f.opt["mean_ttft"]:
+        share = f.opt["mean_queue_time"] / f.opt["mean_ttft"]
+        f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = share
+    f.add(("max_queue_length", "queue_growth_rate"))
+    if share is None or share >= QUEUE_SHARE:
+        f.add_batch()
+        f.add_cache()
+        action = f.free_capacity or ("add capacity or rate-limit; a scheduler that lets short prompts "
+                                     "pass (sjf, chunked prefill) cuts head-of-line blocking "
+                                     "(加容量或限流；让短请求先走可缓解队头阻塞)")
+        if f.spike is not None and f.spike >= ITL_SPIKE and not f.free_capacity:
+            f.add_spike()
+            action += CHUNK_NOTE
+        return Diagnosis("queueing", "首字慢、出字正常，时间花在排队上"
+                         "(TTFT is slow, TPOT is fine, and the time goes to waiting in the queue).",
+                         action, f.evidence, REST)
+    f.add(("prefill_token_share",))
+    f.add_cache()
+    action = (f.fix_cache if f.cache_lost else
+              "reuse prefixes (enable_prefix_caching, cache-aware routing), shorten prompts, "
+              "or give prefill its own GPUs (disaggregation) (复用前缀、缩短提示词、预填充/解码分离)")
+    return Diagnosis("prefill", "首字慢、出字正常，而排队很短：预填充本身慢"
+                     "(TTFT is slow, TPOT is fine and queueing is short: the prefill itself is slow).",
+                     action, f.evidence, REST)
+
+
+def slow_decode(f: Facts) -> Diagnosis:
+    """TPOT misses, TTFT holds: stalled by prefills, past the crossover, crowded by
+    recomputed prefills, or at the bandwidth floor."""
+    f.add(("median_itl", "p99_itl", "prefill_token_share", "mean_step_time"))
+    f.add_batch()
+    if f.spike is not None:
+        f.add_spike()
+    if f.spike is not None and f.spike >= ITL_SPIKE:
+        return Diagnosis("decode", "出字慢、首字正常，出字间隔有尖峰：长预填充卡住了解码"
+                         "(TPOT is slow, TTFT is fine, and inter-token gaps spike: long prefills stall decodes).",
+                         "enable_chunked_prefill with a smaller max_num_batched_tokens, or decode-first "
+                         "(打开分块预填充、减小 token 预算，或解码优先)", f.evidence, REST)
+    if f.batch is not None and f.crossover is not None and f.batch > f.crossover:
+        return Diagnosis("decode", "出字慢、首字正常，批已超过交叉点：每步受算力限制、变长"
+                         "(TPOT is slow, TTFT is fine, and the batch is past the crossover: steps are compute-bound).",
+                         "lower max_num_seqs toward the crossover (把 max_num_seqs 调回交叉点附近)",
+                         f.evidence, REST[1:])
+    f.add_cache()
+    if f.cache_lost:
+        return Diagnosis("decode", "出字慢、首字正常，而前缀命中率低：重复的预填充挤占了解码步"
+                         "(TPOT is slow, TTFT is fine, and prefix hits are low: recomputed prefills "
+                         "crowd the decode steps).", f.free_capacity, f.evidence, REST[1:])
+    return Diagnosis("decode", "出字慢、首字正常，批在交叉点以下：每步被显存带宽（读权重和 KV）卡住"
+                     "(TPOT is slow, TTFT is fine, the batch is below the crossover: each step is bound "
+                     "by memory bandwidth, reading weights and KV).",
+                     "fewer/shorter contexts per step (lower max_num_seqs), then " + MODEL_LEVERS,
+                     f.evidence, REST[1:])
+
+
+def batch_and_cache(f: Facts) -> Diagnosis:
+    """Steps 2-4, once every SLO holds: batch vs crossover, prefix hits, then the model."""
+    f.add_batch()
+    if f.capped and f.small:
+        return Diagnosis("batch", "延迟达标，但批被 max_num_seqs 卡在交叉点以下：权重读取没摊薄，吞吐还有余量"
+                         "(latency SLOs hold, but max_num_seqs caps the batch far below the crossover: "
+                         "weight reads are poorly amortised and throughput is left on the table).",
+                         f.raise_batch, f.evidence, REST[1:])
+    if f.prefix_share is not None and f.prefix_share > 0:
+        f.add_cache()
+        if f.cache_lost:
+            return Diagnosis("cache", "前缀本可复用，命中率却很低：预填充在重复计算"
+                             "(prompts share prefixes but the cache hit rate is low: prefill is recomputed).",
+                             f.fix_cache, f.evidence, [MODEL_LEVERS])
+    elif f.hit is not None:
+        f.evidence["prefix_cache_hit_rate"] = f.hit
+    return Diagnosis("healthy", "延迟达标，批大小与缓存都没有明显短板：这时才轮到模型层面的手段"
+                     "(SLOs hold and batch and cache show no gap: only now do model-level levers apply).",
+                     MODEL_LEVERS, f.evidence, [])
+
+
+def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: float | None = None,
+             max_num_seqs: int | None = None, prefix_share: float | None = None,
+             routing: str | None = None, stat: str = "p99") -> Diagnosis:
+    """Walk the chapter's tuning order (module docstring) over a serving summary and
+    return the first problem.
+
+    ``summary`` is ``SimResult.summary()`` / ``ClusterResult.summary()`` / ``summarize()``;
+    it must hold ``{stat}_ttft`` and ``{stat}_tpot``. Other keys (``mean_batch_size``,
+    ``mean_queue_time``, ``mean_ttft``, ``max_queue_length``, ``queue_growth_rate``,
+    ``median_itl``, ``p99_itl``, ``prefix_cache_hit_rate``...) add evidence when present.
+    """
+    if not isinstance(summary, dict):
+        raise ValueError(f"summary must be a dict, got {type(summary).__name__}")
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
+    ttft_slo, tpot_slo = positive("ttft_slo", ttft_slo), positive("tpot_slo", tpot_slo)
+    crossover = positive("crossover", crossover, allow_none=True)
+    check_knobs(max_num_seqs, prefix_share, routing)
+    ttft, tpot = number(summary, f"{stat}_ttft"), number(summary, f"{stat}_tpot")
+    if ttft != ttft:
+        raise ValueError(f"summary: {stat}_ttft is NaN (no completed requests to diagnose)")
+    facts = Facts(ttft, tpot, number(summary, "mean_batch_size", required=False), crossover,
+                  max_num_seqs, prefix_share, routing,
+                  opt={k: number(summary, k, required=False) for k in OPTIONAL_KEYS},
+                  evidence={f"{stat}_ttft (s) vs ttft_slo": (ttft, ttft_slo),
+                            f"{stat}_tpot (s) vs tpot_slo": (tpot, tpot_slo)})
+    ttft_slow, tpot_slow = ttft > ttft_slo, tpot == tpot and tpot > tpot_slo
+    if ttft_slow and tpot_slow:
+        return overload(facts)
+    if ttft_slow:
+        return slow_first_token(facts)
+    if tpot_slow:
+        return slow_decode(facts)
+    return batch_and_cache(facts)

@@ -1,0 +1,111 @@
+"""Running servers as subprocesses (tests, notebooks, the router benchmark), and
+reading what a running server exports.
+
+    with ServerProcess(["serve", "--model", "tiny"]).wait() as server:
+        values = parse_prometheus(urllib.request.urlopen(server.url + "/metrics").read().decode())
+
+``ServerProcess`` runs ``python -m tinyserve <command>`` on a free loopback port;
+``launch_servers`` starts several at once and waits until all are healthy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server process exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy within {timeout} s")
+
+
+class ServerProcess:
+    """A ``python -m tinyserve <command>`` subprocess on a free loopback port.
+
+    Use as a context manager (or call ``stop()``) so that it never outlives you.
+    """
+
+    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        cmd = [sys.executable, "-m", "tinyserve", *args, "--host", host, "--port", str(self.port)]
+        # stderr goes to a file, not a pipe: a pipe nobody reads can fill up and block it.
+        self._stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait(self, timeout: float = 120.0) -> "ServerProcess":
+        try:
+            wait_healthy(self.url, timeout, self.process)
+        except Exception:
+            err = self.stop()
+            raise RuntimeError(f"{self.url} failed to start: {err[-2000:]}") from None
+        return self
+
+    def stop(self, timeout: float = 10.0) -> str:
+        """SIGTERM, then SIGKILL if needed; returns what it wrote to stderr."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._stderr.closed:
+            return ""
+        self._stderr.seek(0)
+        err = self._stderr.read()
+        self._stderr.close()
+        return err.decode(errors="replace")
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_servers(n: int, model: str = "tiny", extra_args: list[str] | None = None,
+                   timeout: float = 120.0) -> list[ServerProcess]:
+    """Start ``n`` servers at once and wait until all are healthy (all stopped on failure)."""
+    procs = [ServerProcess(["serve", "--model", model, *(extra_args or [])]) for _ in range(n)]
+    try:
+        for p in procs:
+            p.wait(timeout)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``{metric name: value}`` from Prometheus text (labels dropped; last sample wins)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        out[name_labels.split("{", 1)[0]] = float(value)
+    return out
