@@ -27,13 +27,14 @@ from aiohttp import web
 
 from tinyserve.engine import LLM, LLMEngine
 from tinyserve.serving.engine_loop import EngineError, EngineLoop, RequestHandle
-from tinyserve.serving.protocol import (SSE_DONE, BadRequest, ParsedRequest, completion_body,
-                                        completion_chunk, decode_json, error_body,
+from tinyserve.serving.protocol import (SSE_DONE, BadRequest, ParsedRequest, chat_renderer,
+                                        completion_body, completion_chunk, decode_json, error_body,
                                         error_response, param_of, parse_request, sse, usage,
                                         usage_chunk)
 
 ENGINE_KEY = web.AppKey("engine_loop", EngineLoop)
 MODEL_KEY = web.AppKey("model_name", str)
+CHAT_KEY = web.AppKey("chat_renderer", object)      # messages -> prompt (protocol.chat_renderer)
 SERVER_STEP_STATS_WINDOW = 256
 
 
@@ -67,7 +68,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     loop_ = request.app[ENGINE_KEY]
     model = request.app[MODEL_KEY]
     try:
-        parsed = parse_request(decode_json(await request.read()), chat, model)
+        parsed = parse_request(decode_json(await request.read()), chat, model, request.app[CHAT_KEY])
         handle = await loop_.add(parsed.prompt, parsed.params)
     except BadRequest as exc:
         return exc.response()
@@ -216,6 +217,7 @@ def build_app(engine: LLMEngine, model_name: str) -> web.Application:
     app = web.Application(client_max_size=16 * 2**20)
     app[ENGINE_KEY] = EngineLoop(engine)
     app[MODEL_KEY] = model_name
+    app[CHAT_KEY] = chat_renderer(engine.tokenizer)
     app.on_startup.append(start_engine)
     app.on_shutdown.append(stop_engine)
     app.add_routes(ROUTES)

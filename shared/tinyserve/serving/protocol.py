@@ -5,9 +5,11 @@ Parsing and validating request bodies into engine arguments (``parse_request``;
 the chat template, and the pure builders of response bodies and streamed
 chunks (server-sent events ``data: {json}\\n\\n`` ending with ``SSE_DONE``).
 
-Chat template (the shipped models were trained on plain text, so it is plain
-text too): every message becomes ``"{role}: {content}\\n"`` and the prompt ends
-with ``"assistant: "``, e.g. ``[{"role": "user", "content": "你好"}]`` becomes
+Chat: a checkpoint that ships a ``chat_template`` (``tokenizer_config.json``)
+is prompted through it, as ``transformers``' ``apply_chat_template`` renders it
+(``chat_renderer``). Without one (the shipped models were trained on plain
+text) every message becomes ``"{role}: {content}\\n"`` and the prompt ends with
+``"assistant: "``, e.g. ``[{"role": "user", "content": "你好"}]`` becomes
 ``"user: 你好\\nassistant: "``.
 """
 
@@ -28,8 +30,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def render_chat(messages: list[dict]) -> str:
-    """The chat template: ``role: content`` lines, then ``assistant: `` (see module doc)."""
+    """The plain-text chat format: ``role: content`` lines, then ``assistant: ``."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def chat_renderer(tokenizer) -> Callable[[list[dict]], str | list[int]]:
+    """How a server with ``tokenizer`` turns chat messages into a prompt: the
+    checkpoint's own template, as token ids (the template writes its special tokens
+    itself, so none are added), or the plain-text format when it has no template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return render_chat
+
+    def render(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return render
 
 
 # ---- errors ------------------------------------------------------------------------
@@ -108,15 +123,17 @@ class ParsedRequest:
     chat: bool
 
 
-def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
-    """Validate an OpenAI request body; raise ``BadRequest`` naming the field."""
+def parse_request(body: Any, chat: bool, model_name: str,
+                  render: Callable[[list[dict]], str | list[int]] = render_chat) -> ParsedRequest:
+    """Validate an OpenAI request body; raise ``BadRequest`` naming the field.
+    ``render`` turns chat messages into the prompt (``chat_renderer``)."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}",
                          "model", status=404, kind="not_found_error")
-    prompt = render_chat(parse_messages(body.get("messages"))) if chat else _parse_prompt(body)
+    prompt = render(parse_messages(body.get("messages"))) if chat else _parse_prompt(body)
     params = _parse_sampling(body, chat)
     stream = _get(body, "stream", _is_bool, "a boolean", False)
     n = _get(body, "n", _is_int, "an integer", 1)
