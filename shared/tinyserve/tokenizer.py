@@ -382,15 +382,23 @@ class StreamDetokenizer:
     never form a valid character are replaced by U+FFFD at once, matching
     bytes.decode("utf-8", errors="replace"), so for any ids:
         "".join(det.push(i) for i in ids) + det.flush() == tok.decode(ids)
+
+    A tokenizer whose text is not just its tokens' bytes joined (a checkpoint's
+    own, see tinyserve.hf_tokenizer) provides `stream_decoder()`: an object with
+    push(id) -> str, flush() -> str and .pending, which then does the work.
     """
 
     def __init__(self, tokenizer: ByteBPETokenizer):
         self.tokenizer = tokenizer
         self._pending = b""  # at most 3 bytes of an unfinished character
         self._pieces: list[str] = []
+        make = getattr(tokenizer, "stream_decoder", None)
+        self._custom = make() if make is not None else None
 
     def push(self, token_id: int) -> str:
         """Add one id; return the text that became printable (maybe "")."""
+        if self._custom is not None:
+            return self._keep(self._custom.push(token_id))
         data = self._pending + self.tokenizer.token_bytes(token_id)
         cut = pending_start(data)
         self._pending = data[cut:]
@@ -401,6 +409,8 @@ class StreamDetokenizer:
 
     def flush(self) -> str:
         """End of stream: return the rest (an unfinished character becomes U+FFFD)."""
+        if self._custom is not None:
+            return self._keep(self._custom.flush())
         piece = self._pending.decode("utf-8", errors="replace")
         self._pending = b""
         if piece:
@@ -410,7 +420,12 @@ class StreamDetokenizer:
     @property
     def pending(self) -> bytes:
         """Bytes of an unfinished character still waiting for the next token."""
-        return self._pending
+        return self._custom.pending if self._custom is not None else self._pending
+
+    def _keep(self, piece: str) -> str:
+        if piece:
+            self._pieces.append(piece)
+        return piece
 
     @property
     def text(self) -> str:
