@@ -14,8 +14,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from tinyserve.checkpoint import saved_dtype
 from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
 from tinyserve.executor import ModelExecutor
+from tinyserve.hf_tokenizer import load_checkpoint_tokenizer
 from tinyserve.kv_cache import BlockManager, blocks_for
 from tinyserve.metrics import RequestMetrics, request_metrics
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, default_device, get_preset
@@ -70,7 +72,10 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.clock = clock
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching)
-        self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed)
+        # A model may have more output rows than its tokenizer has tokens (Qwen pads its
+        # vocabulary): never sample an id that cannot be detokenized.
+        self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed,
+                                      vocab_size=tokenizer.vocab_size)
         self.core = EngineCore(config, self.block_manager, self.executor, clock,
                                step_stats_window=step_stats_window)
         self.scheduler = self.core.scheduler
@@ -78,6 +83,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, StreamDetokenizer] = {}
         self._ids = itertools.count()
+        # Checkpoints may end a turn with several ids (Llama-3: <|eot_id|> and
+        # <|end_of_text|>; generation_config.json lists them).
+        self._extra_eos = tuple(t for t in getattr(tokenizer, "eos_token_ids", ())
+                                if t != tokenizer.eos_token_id)
 
     # ---- input -------------------------------------------------------------------
 
@@ -118,7 +127,8 @@ class LLMEngine:
         request = Request(request_id, ids, params,
                           arrival_time=received if arrival_time is None else arrival_time,
                           prompt=prompt if isinstance(prompt, str) else None,
-                          eos_token_id=self.tokenizer.eos_token_id, priority=priority)
+                          eos_token_id=self.tokenizer.eos_token_id, priority=priority,
+                          extra_eos_token_ids=self._extra_eos)
         request.tokenize_time = tokenized - received
         request.queued_time = tokenized
         self.core.add_request(request)            # raises if it could never finish
@@ -175,13 +185,15 @@ class LLMEngine:
 # ---- the offline front door ---------------------------------------------------------
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO_DTYPE = "auto"     # a checkpoint's own dtype (config.json); float32 for presets
 
 
 class LLM:
     """Offline batch generation, with vLLM's knob names.
 
-    ``model`` is a preset name (random weights from ``seed``) or a directory in
-    Hugging Face Llama format. ``num_kv_blocks=None`` sizes the cache to hold
+    ``model`` is a preset name (random weights from ``seed``) or a Hugging Face
+    checkpoint directory (Llama, Mistral, Qwen2, Qwen3). ``dtype="auto"`` keeps the
+    checkpoint's saved dtype. ``num_kv_blocks=None`` sizes the cache to hold
     ``max_num_seqs`` full-length requests, within ``kv_cache_memory`` bytes.
     ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
     (in Triton's interpreter when there is no GPU: correct, but slow).
@@ -197,12 +209,14 @@ class LLM:
                  kv_cache_memory: int = 512 * 2**20,
                  step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW,
                  clock: Callable[[], float] = time.perf_counter):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-        net, tokenizer = load_model(model, seed)
+        if dtype not in DTYPES and dtype != AUTO_DTYPE:
+            raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of "
+                             f"{sorted(DTYPES) + [AUTO_DTYPE]}")
+        net, tokenizer = load_model(model, seed, dtype, device or default_device())
         net.use_kernels(kernels)
-        self.model = net.to(device=device or default_device(), dtype=DTYPES[dtype])
+        self.model = net
         self.tokenizer = tokenizer
+        torch_dtype = net.lm_head.weight.dtype
         context = net.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = context
@@ -214,7 +228,7 @@ class LLM:
                                  enable_chunked_prefill=enable_chunked_prefill,
                                  max_model_len=max_model_len)
         if num_kv_blocks is None:
-            per_block = net.config.kv_bytes_per_token(DTYPES[dtype]) * block_size
+            per_block = net.config.kv_bytes_per_token(torch_dtype) * block_size
             wanted = max_num_seqs * blocks_for(max_model_len, block_size)
             num_kv_blocks = max(1, min(wanted, kv_cache_memory // per_block))
         elif not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -274,14 +288,31 @@ def _progress(total: int, use_tqdm: bool | None):
     return tqdm(total=total, desc="generate", unit="req")
 
 
-def load_model(model: str, seed: int) -> tuple[LlamaForServing, ByteBPETokenizer]:
+def load_model(model: str, seed: int, dtype: str = "float32",
+               device: torch.device | str = "cpu") -> tuple[LlamaForServing, ByteBPETokenizer]:
+    """A checkpoint directory (loaded straight into ``dtype`` on ``device``) or a preset
+    (random weights from ``seed``), with its tokenizer."""
     if not isinstance(model, (str, Path)):
         raise ValueError(f"model must be a preset name or a directory, got {type(model).__name__}")
     path = TRAINED_MODELS.get(str(model), Path(model))
     if path.is_dir() and (path / "config.json").exists():
-        net = LlamaForServing.from_pretrained(path)
-        tokenizer_file = path / TOKENIZER_FILE
-        tokenizer = (ByteBPETokenizer.load(tokenizer_file) if tokenizer_file.exists()
-                     else load_default_tokenizer())
-        return net, tokenizer
-    return LlamaForServing.from_seed(get_preset(str(model)), seed), load_default_tokenizer()
+        name = saved_dtype(path) if dtype == AUTO_DTYPE else dtype
+        if name not in DTYPES:
+            raise ValueError(f"dtype: {name!r} ({path / 'config.json'} for auto) is not one "
+                             f"of {sorted(DTYPES)}")
+        net = LlamaForServing.from_pretrained(path, dtype=DTYPES[name], device=device)
+        return net, load_tokenizer(path)
+    net = LlamaForServing.from_seed(get_preset(str(model)), seed)
+    torch_dtype = torch.float32 if dtype == AUTO_DTYPE else DTYPES[dtype]
+    return net.to(device=device, dtype=torch_dtype), load_default_tokenizer()
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of a checkpoint directory: ours when it was saved with it
+    (``LLM.save_pretrained``), else the checkpoint's own ``tokenizer.json``, else our
+    default one (a directory of bare weights, e.g. made by hand for a test)."""
+    tokenizer_file = path / TOKENIZER_FILE
+    if tokenizer_file.exists():
+        return ByteBPETokenizer.load(tokenizer_file)
+    own = load_checkpoint_tokenizer(path)
+    return own if own is not None else load_default_tokenizer()

@@ -18,13 +18,16 @@ from tinyserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class ModelExecutor:
-    def __init__(self, model: LlamaForServing, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaForServing, num_blocks: int, block_size: int, seed: int = 0,
+                 vocab_size: int | None = None):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
         self.kv_cache = KVCache(model.config, num_blocks, block_size, self.dtype, self.device)
         self.seed = seed
+        # Sample among the first vocab_size ids only (the tokenizer's; None: all rows).
+        self.vocab_size = vocab_size
         self._generators: dict[str, torch.Generator] = {}
         self.last_prepare_time = 0.0
 
@@ -77,6 +80,7 @@ class ModelExecutor:
     # ---- sampling --------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> dict[str, int]:
+        logits = logits[:, :self.vocab_size]
         greedy = logits.argmax(dim=-1).tolist()
         result = {}
         for row, item in enumerate(items):

@@ -2,26 +2,50 @@
 
 The layers are the ones of Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary
 position embeddings, SwiGLU MLP, grouped-query attention) and the parameters
-carry the same names, so a model saved here loads in ``transformers`` and the
-two give the same greedy tokens.
+carry the same names, so a model saved here loads in ``transformers`` and a
+checkpoint downloaded from the Hub loads here (``checkpoint.py`` reads it), and
+the two give the same greedy tokens.
 
 What differs from a training-style model is the attention: one forward runs a
 *packed* batch, the new tokens of every scheduled request laid end to end
 (a 300-token prefill chunk of one request next to single decode tokens of
 others). Each token's K and V are written into the cache slot chosen by the
 block manager, and each request then attends over its own blocks.
+
+The same module runs the Llama-like families, switched by a few config flags:
+
+- Llama 2 (Touvron et al., 2023, arXiv:2307.09288): RMSNorm (Zhang & Sennrich,
+  2019), RoPE (Su et al., 2021, arXiv:2104.09864), SwiGLU (Shazeer, 2020,
+  arXiv:2002.05202), grouped-query attention (Ainslie et al., 2023, arXiv:2305.13245).
+- Llama 3 / 3.1 (Grattafiori et al., 2024, arXiv:2407.21783): ``rope_scaling``
+  with ``rope_type: "llama3"`` stretches the slow rotary frequencies for long
+  context (``llama3_inv_freq``); Llama 3.2 1B/3B tie the embeddings.
+- Mistral 7B (Jiang et al., 2023, arXiv:2310.06825): the Llama layers.
+- Qwen2 / Qwen2.5 (Yang et al., 2024, arXiv:2407.10671): a bias on the q, k and v
+  projections (``qkv_bias``), rope_theta 1e6.
+- Qwen3 (Yang et al., 2025, arXiv:2505.09388): RMSNorm on each head's q and k
+  before RoPE (``qk_norm``), and a ``head_dim`` that need not be hidden / heads.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's long-context RoPE (``"rope_type": "llama3"`` in config.json)."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -36,19 +60,32 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # A checkpoint's own special ids (config.json); the tokenizer is the authority when
-    # a model is saved with one (``LLM.save_pretrained``).
+    # a model is saved with one (``LLM.save_pretrained``). Llama 3 lists several eos ids.
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    # The family the weights come from; save_pretrained writes it back.
+    model_type: str = "llama"
+    # config.json's head_dim when it is not hidden / heads (Qwen3, Mistral-Nemo).
+    explicit_head_dim: int | None = None
+    qkv_bias: bool = False              # Qwen2; Llama's attention_bias (with o_bias)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False               # Qwen3
+    tie_word_embeddings: bool = False   # lm_head shares embed_tokens' matrix
+    rope_scaling: Llama3RopeScaling | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
     def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-        return 2 * v * h + self.num_hidden_layers * per_layer + h
+        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attention = 2 * h * q + 2 * h * kv + self.qkv_bias * (q + 2 * kv) + self.o_bias * h
+        mlp = 3 * h * i + self.mlp_bias * (2 * i + h)
+        per_layer = attention + mlp + 2 * h + self.qk_norm * 2 * d
+        embeddings = (1 if self.tie_word_embeddings else 2) * v * h
+        return embeddings + self.num_hidden_layers * per_layer + h
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """K and V of one token across all layers."""
@@ -155,10 +192,39 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None,
+                  device=None) -> torch.Tensor:
+    """The rotation speed of each pair of dimensions, theta^(-2i/d), in fp32.
+
+    Computed per forward rather than kept as a buffer: ``model.to(bfloat16)`` would
+    round a buffer to bf16 and shift every angle."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / head_dim))
+                                             device=device) / head_dim))
+    return inv_freq if scaling is None else llama3_inv_freq(inv_freq, scaling)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rescaling, as transformers' ``_compute_llama3_parameters``.
+
+    Pairs that turn slowly (wavelength longer than the pre-training context /
+    low_freq_factor) never completed a turn in pre-training: slow them by
+    ``factor`` (interpolate positions). Fast pairs (wavelength under context /
+    high_freq_factor) saw many turns and stay. Those in between blend the two.
+    """
+    old_context = s.original_max_position_embeddings
+    low_freq_wavelen = old_context / s.low_freq_factor
+    high_freq_wavelen = old_context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                   scaling: Llama3RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -186,16 +252,23 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, kv, bias=False)
-        self.v_proj = nn.Linear(h, kv, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        q = self.num_heads * self.head_dim        # may differ from h (Qwen3)
+        self.q_proj = nn.Linear(h, q, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, kv, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, kv, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=config.o_bias)
+        # Qwen3 normalises each head's q and k over head_dim, before RoPE, which keeps
+        # the attention logits from growing with the weights (QK-norm).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
@@ -251,9 +324,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x, ops: dict):
         return self.down_proj(ops["silu_mul"](self.gate_proj(x), self.up_proj(x)))
@@ -280,12 +354,21 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, ops), residual
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``, but with no random init when built on the meta device
+    (from_pretrained): there ``normal_`` alone imports torch._dynamo (~1 s, ~150 MB)."""
+    weight = torch.empty(num, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)               # nn.Embedding's own init
+    return nn.Embedding.from_pretrained(weight, freeze=False)
+
+
 class DecoderStack(nn.Module):
     """Named like transformers' ``LlamaModel`` so parameter names line up."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -296,7 +379,14 @@ class LlamaForServing(nn.Module):
         self.config = config
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
         self.use_kernels(kernels)
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the output projection *is* the embedding matrix
+        (one tensor, saved once): Llama 3.2 1B/3B, Qwen2.5 0.5B-3B."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def use_kernels(self, kernels: str) -> "LlamaForServing":
         """Run the memory-bound ops as eager torch ("torch") or fused Triton kernels ("triton")."""
@@ -311,8 +401,10 @@ class LlamaForServing(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
                 elif name == "model.embed_tokens.weight":
                     p.copy_(torch.randn(p.shape, generator=gen))
                 else:
@@ -329,7 +421,8 @@ class LlamaForServing(nn.Module):
         """Run the packed batch; return logits only for the rows in ``logits_indices``
         (the last new token of each request that is due to sample)."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        c = self.config
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, meta, kv_cache, self.ops)
@@ -337,54 +430,42 @@ class LlamaForServing(nn.Module):
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices], self.ops)
         return self.lm_head(x).float()
 
-    # ---- Hugging Face Llama format -------------------------------------------------
+    # ---- Hugging Face format (checkpoint.py) -------------------------------------------
 
     def save_pretrained(self, path: str | Path, tokenizer=None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` in Hugging Face Llama format; the
-        special ids come from ``tokenizer`` when given, else from the config."""
+        """Write ``config.json`` + ``model.safetensors`` in Hugging Face format (Llama for
+        our presets); the special ids come from ``tokenizer`` when given, else the config."""
         from safetensors.torch import save_file
+
+        from tinyserve.checkpoint import hf_config
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         c = self.config
         bos, eos = ((tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None
                     else (c.bos_token_id, c.eos_token_id))
-        hf_config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "max_position_embeddings": c.max_position_embeddings,
-            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos,
-            "torch_dtype": str(self.lm_head.weight.dtype).removeprefix("torch."),
-        }
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        config = hf_config(c, bos, eos, self.lm_head.weight.dtype)
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if c.tie_word_embeddings:
+            del tensors["lm_head.weight"]         # the same tensor as the embedding
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "LlamaForServing":
-        from safetensors.torch import load_file
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "LlamaForServing":
+        """A checkpoint directory (Llama, Mistral, Qwen2, Qwen3; ``checkpoint.py``).
 
-        path = Path(path)
-        raw = json.loads((path / "config.json").read_text())
-        if raw.get("model_type", "llama") != "llama":
-            raise ValueError(f"model: {path} holds a {raw.get('model_type')!r} model, not llama")
-        known = {f.name for f in fields(ModelConfig)}
-        rope = raw.get("rope_parameters") or {}
-        if "rope_theta" not in raw and "rope_theta" in rope:
-            raw["rope_theta"] = rope["rope_theta"]
-        if raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]) * \
-                raw["num_attention_heads"] != raw["hidden_size"]:
-            raise ValueError("model: head_dim * num_attention_heads must equal hidden_size")
-        config = ModelConfig(**{k: v for k, v in raw.items() if k in known and v is not None})
-        model = cls(config)
-        state = load_file(str(path / "model.safetensors"))
-        if raw.get("tie_word_embeddings") and "lm_head.weight" not in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        model.load_state_dict(state)
+        The module is built on the meta device (shapes only: no memory), allocated
+        once in ``dtype`` on ``device``, then filled tensor by tensor from the
+        safetensors files: never a random-init copy next to the checkpoint's."""
+        from tinyserve.checkpoint import allocate_parameters, load_weights, read_config
+
+        config = read_config(path)
+        with torch.device("meta"):
+            model = cls(config)
+        allocate_parameters(model, dtype, device)
+        load_weights(model, path)
         return model.eval()
+

@@ -62,6 +62,8 @@ class Request:
     prompt: str | None = None
     eos_token_id: int | None = None
     priority: int = 0
+    # More ids that end generation like EOS (a checkpoint's generation_config.json).
+    extra_eos_token_ids: tuple[int, ...] = ()
     # Expected number of output tokens, if the client or a predictor gives one
     # (used by shortest-job-first); None = unknown.
     output_len_hint: int | None = None
@@ -123,7 +125,7 @@ class Request:
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the newest output token, or None to go on."""
         params, last = self.sampling_params, self.output_token_ids[-1]
-        if not params.ignore_eos and last == self.eos_token_id:
+        if not params.ignore_eos and (last == self.eos_token_id or last in self.extra_eos_token_ids):
             return "stop"
         if params.stop_token_ids and last in params.stop_token_ids:
             return "stop"
