@@ -212,7 +212,7 @@ def sweep_gemm_stack(stack: GemmStack, batch_sizes, repeats: int = 3) -> list[fl
 # ---- (b) tinyserve's own model, through the engine -----------------------------------------
 
 def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_len: int = 4,
-                 seed: int = 0) -> tuple[list[float], dict]:
+                 seed: int = 0, dtype: str = "auto") -> tuple[list[float], dict]:
     """Median seconds of pure decode steps with B running requests, from ``engine.step_stats``.
 
     Returns the times and a description of the model (parameters and bytes read
@@ -222,7 +222,7 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
 
     top = int(max(batch_sizes))
     llm = LLM(model, seed=seed, max_num_seqs=top, max_num_batched_tokens=max(256, top * prompt_len),
-              max_model_len=prompt_len + steps + 8)
+              max_model_len=prompt_len + steps + 8, dtype=dtype)
     engine = llm.engine
     read = [p for n, p in llm.model.named_parameters() if "embed_tokens" not in n]
     info = {"model": model, "num_parameters_read": int(sum(p.numel() for p in read)),
@@ -291,7 +291,8 @@ def machine_info(device: str) -> dict:
 
 def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = None,
         engine_batch_sizes=None, engine_model: str | None = "cpu-bench", repeats: int = 3,
-        engine_steps: int = 3, measure_seconds: float = 1.0, verbose: bool = True) -> dict:
+        engine_steps: int = 3, measure_seconds: float = 1.0, verbose: bool = True,
+        engine_dtype: str = "auto") -> dict:
     """Measure ceilings, sweep both curves, fit them; return the report (see ``REPORT_KEYS``)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     say = print if verbose else (lambda *a, **k: None)
@@ -318,7 +319,7 @@ def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = 
     if engine_model:
         eb = list(engine_batch_sizes or [b for b in default_batch_sizes("cpu") if b & (b - 1) == 0])
         t0 = time.perf_counter()
-        times, info = sweep_engine(eb, engine_model, steps=engine_steps)
+        times, info = sweep_engine(eb, engine_model, steps=engine_steps, dtype=engine_dtype)
         say(f"engine ({engine_model}): swept in {time.perf_counter() - t0:.1f} s")
         curves["engine"] = {"batch_sizes": eb, "step_times_s": times, **info}
         fits["engine"] = knee_report(eb, times, hw, info["dtype"], info["weight_bytes"], lo)
@@ -369,13 +370,17 @@ def add_arguments(parser) -> None:
                         help="GiB of weights in the GEMM stack (default 1 on CPU; GPU: 32 7B layers)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per batch size")
     parser.add_argument("--no-engine", action="store_true", help="skip the tinyserve model sweep")
+    parser.add_argument("--model", default="cpu-bench",
+                        help="preset or checkpoint directory the engine sweep runs (default cpu-bench)")
+    parser.add_argument("--dtype", default="auto",
+                        help="the engine sweep's dtype: auto (the checkpoint's own), float32, bfloat16, float16")
 
 
 def main(args) -> dict:
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     report = run(device, batch_sizes=default_batch_sizes(device, args.max_batch),
                  weight_gib=args.weight_gib, repeats=args.repeats,
-                 engine_model=None if args.no_engine else "cpu-bench")
+                 engine_model=None if args.no_engine else args.model, engine_dtype=args.dtype)
     if args.out:
         print(f"wrote {write_json(report, args.out)}")
     return report
