@@ -31,7 +31,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    action="store_false")
     p.add_argument("--policy", default="fcfs", help="scheduling policy (fcfs, sjf, priority, ...)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (a checkpoint's own dtype; float32 for presets), float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
