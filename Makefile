@@ -11,7 +11,7 @@ PIP_ARGS ?=
 DIR ?= chapters
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test demo bench bench-gpu bench-sim execute labs grade clean
+.PHONY: help venv install lab test demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
@@ -19,6 +19,7 @@ help:
 	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.book.demo)"
 	@echo "make bench    fused vs unfused kernels on this machine, one table"
 	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
+	@echo "make gpu-evidence  every GPU number the book uses (<10 min on an H200), JSON in shared/tinyserve/data/gpu/"
 	@echo "make bench-sim  the simulator against the real engine on this CPU, and its speed"
 	@echo "make execute  re-run all notebooks in chapters/ and solutions/ in place, rebuild labs/"
 	@echo "make labs     build labs/ from solutions/"
@@ -62,6 +63,11 @@ bench-sim: $(STAMP)
 # Run on a machine with a GPU; the notebooks show the stored file when there is none.
 bench-gpu: $(STAMP)
 	$(PY) -m tinyserve.bench kernels --out shared/tinyserve/data/bench_kernels_gpu.json
+
+# Run on a machine with a GPU: kernels, crossover, engine sweep, transformers ratio, each
+# part in its own process under a time limit. Exits 2 without CUDA.
+gpu-evidence: $(STAMP)
+	$(PY) -m tinyserve.bench.gpu_evidence
 
 execute: $(STAMP)
 	$(PY) -m tinyserve.book.notebooks execute chapters solutions

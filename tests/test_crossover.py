@@ -7,6 +7,7 @@ import pytest
 
 from tinyserve.bench import crossover as xo
 from tinyserve import hardware as hwm
+from tinyserve import measure
 
 
 def test_predicted_crossover_converts_for_dtype():
@@ -64,7 +65,7 @@ def test_knee_report_on_synthetic_curve():
 
 def test_run_and_json_report(tmp_path, monkeypatch):
     fake = hwm.HardwareSpec("fake cpu", flops={"fp32": 50e9}, memory_bandwidth=10e9, memory_size=1e9)
-    monkeypatch.setattr(hwm, "measure_device", lambda *a, **k: fake)
+    monkeypatch.setattr(measure, "measure_device", lambda *a, **k: fake)
     monkeypatch.setattr(xo, "stack_config", lambda device, gib=None: {"hidden": 64, "num_layers": 2,
                                                                      "dtype": "fp32"})
     report = xo.run("cpu", batch_sizes=[1, 2, 4, 8], engine_batch_sizes=[1, 2, 4, 8],

@@ -6,9 +6,10 @@ import pytest
 from tinyserve import hardware as hwm
 from tinyserve.hardware import (
     A100_SXM_80GB, H100_SXM, H200, LLAMA_7B, LLAMA_70B, ModelSpec, crossover_batch,
-    decode_step_time, find_knee, fit_knee, kv_bytes_per_token, per_request_compute_time,
-    tokens_per_second, weight_bytes, weight_read_time,
+    decode_step_time, kv_bytes_per_token, per_request_compute_time, tokens_per_second,
+    weight_bytes, weight_read_time,
 )
+from tinyserve.measure import find_knee, fit_knee, measure_device
 from tinyserve.model import get_preset
 
 
@@ -102,7 +103,58 @@ def test_find_knee_flat_and_bad_input():
 
 
 def test_measure_device_tiny():
-    spec = hwm.measure_device("cpu", seconds=0.05, copy_mib=4, matmul_size=128)
+    spec = measure_device("cpu", seconds=0.05, copy_mib=4, matmul_size=128)
     assert spec.memory_bandwidth > 0 and math.isfinite(spec.memory_bandwidth)
     assert spec.flops["fp32"] > 0 and math.isfinite(spec.flops["fp32"])
     assert spec.name and "measured" in spec.source
+
+
+NEW_PRESETS = ("RTX_3090", "RTX_4090", "L4", "L40S")
+
+
+@pytest.mark.parametrize("name", NEW_PRESETS)
+def test_new_presets_crossover_is_ridge_point(name):
+    hw = hwm.get_hardware(name)
+    assert hwm.HARDWARE_PRESETS[name] is hw
+    # 7B fp16: bytes per parameter (2) and FLOPs per parameter (2) cancel exactly
+    ridge = hw.peak_flops("fp16") / hw.memory_bandwidth
+    assert crossover_batch(hw, LLAMA_7B, "fp16") == pytest.approx(ridge, rel=1e-12)
+    assert crossover_batch(hw, LLAMA_7B, "fp16") == pytest.approx(hw.ridge_point("fp16"), rel=1e-12)
+    assert weight_read_time(hw, LLAMA_7B, "fp16") == pytest.approx(14e9 / hw.memory_bandwidth)
+
+
+@pytest.mark.parametrize("name", NEW_PRESETS)
+def test_new_presets_sane_ranges(name):
+    hw = hwm.get_hardware(name)
+    assert hw.source and ("datasheet" in hw.source or "whitepaper" in hw.source)
+    assert 200e9 <= hw.memory_bandwidth <= 1.2e12          # GDDR6/6X: 0.2-1.2 TB/s
+    assert hw.memory_size in (24e9, 48e9)
+    assert 25e12 <= hw.peak_flops("fp32") <= 100e12        # non-tensor fp32
+    assert 50e12 <= hw.peak_flops("fp16") <= 400e12        # dense, below an H100's 989
+    assert hw.peak_flops("fp16") < H100_SXM.peak_flops("fp16")
+    # the dense tensor fp16 rate is 2-4.5x fp32 on these cards (never the 8x of a sparsity figure)
+    assert 1.9 <= hw.peak_flops("fp16") / hw.peak_flops("fp32") <= 4.5
+    # 8-bit is 2x fp16 (4x on GeForce, whose fp16-with-FP32-accumulate runs at half rate)
+    for low in ("fp8", "int8"):
+        if low in hw.flops:
+            assert 1.98 <= hw.flops[low] / hw.peak_flops("fp16") <= 4.02
+    if "bf16" in hw.flops:
+        assert hw.flops["bf16"] == pytest.approx(hw.peak_flops("fp16"), rel=0.01)
+    assert 50 <= crossover_batch(hw, LLAMA_7B, "fp16") <= 450
+
+
+def test_new_presets_values():
+    # spot values straight from the whitepapers / datasheets (see hardware.py)
+    assert hwm.RTX_3090.peak_flops("fp16") == 71e12 and hwm.RTX_3090.memory_bandwidth == 936e9
+    assert hwm.RTX_4090.peak_flops("fp16") == pytest.approx(165.2e12)  # FP32 accumulate
+    assert hwm.RTX_4090.memory_bandwidth == 1008e9
+    assert hwm.L4.peak_flops("fp16") == 121e12 and hwm.L4.memory_bandwidth == 300e9
+    assert hwm.L40S.peak_flops("fp16") == pytest.approx(362.05e12) and hwm.L40S.memory_size == 48e9
+    assert "fp8" not in hwm.RTX_3090.flops                              # Ampere has no fp8
+    assert crossover_batch(hwm.RTX_3090, LLAMA_7B, "fp16") == pytest.approx(76, abs=1)
+    assert crossover_batch(hwm.RTX_4090, LLAMA_7B, "fp16") == pytest.approx(164, abs=1)
+    assert crossover_batch(hwm.L4, LLAMA_7B, "fp16") == pytest.approx(403, abs=1)
+    assert crossover_batch(hwm.L40S, LLAMA_7B, "fp16") == pytest.approx(419, abs=1)
+    # the chapter's figure is unchanged
+    assert crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(153, abs=1)
+    assert list(hwm.HARDWARE_PRESETS)[:3] == ["A100_SXM_80GB", "H100_SXM", "H200"]

@@ -418,7 +418,8 @@ def test_check_add_rmsnorm_rejects_a_launcher_that_drops_the_leading_dims():
 
 import numpy as np  # noqa: E402
 
-from tinyserve.hardware import A100_SXM_80GB, H200, LLAMA_7B, bytes_per_element, fit_knee  # noqa: E402
+from tinyserve.hardware import A100_SXM_80GB, H200, LLAMA_7B, bytes_per_element  # noqa: E402
+from tinyserve.measure import fit_knee  # noqa: E402
 from tinyserve.labs import (  # noqa: E402
     check_crossover, check_find_knee, check_my_machine, check_per_request_compute_time,
     check_weight_read_time,
@@ -476,7 +477,7 @@ def test_lab03_reference_passes_every_check(capsys):
 
 
 def test_lab03_hardware_reference_passes_find_knee():
-    from tinyserve.hardware import find_knee
+    from tinyserve.measure import find_knee
     check_find_knee(find_knee)
 
 

@@ -20,7 +20,7 @@ PACKAGE = Path(tinyserve.__file__).parent
 # before it in LAYERS (and from itself).
 CORE = ["request", "kv_cache", "scheduler", "policies", "core", "executor", "model", "checkpoint",
         "engine", "tokenizer", "hf_tokenizer", "chat_template", "metrics", "diagnose", "hardware",
-        "workload", "kernels"]
+        "measure", "workload", "kernels"]
 LAYERS = {"core": CORE, "sim": ["sim"], "serving": ["serving"], "bench": ["bench"],
           "book": ["book"], "labs": ["labs"], "entry": ["cli", "__main__", "__init__"]}
 MAY_IMPORT = {"core": {"core"}, "sim": {"core", "sim"}, "serving": {"core", "sim", "serving"},

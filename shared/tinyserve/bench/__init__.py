@@ -1,11 +1,18 @@
 """Benchmarks that print tables (and write JSON for the notebooks): fused vs unfused
 kernels (``kernels``), the batch-size crossover on this machine (``crossover``),
-the simulator against the real engine (``sim``). Run ``python -m tinyserve.bench``.
+the simulator against the real engine (``sim``), and every GPU measurement the book
+needs in one run (``gpu-evidence``, see ``gpu_evidence``). Run ``python -m tinyserve.bench``.
 """
 
 
 def main(argv=None) -> None:
     import argparse
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gpu-evidence"]:      # its own parser takes every option after the name
+        from tinyserve.bench import gpu_evidence
+        sys.exit(gpu_evidence.main(argv[1:]))
 
     from tinyserve.bench import crossover, kernels, sim
     parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
@@ -23,6 +30,8 @@ def main(argv=None) -> None:
     crossover.add_arguments(cp)
     sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU, and its speed")
     sim.add_arguments(sp)
+    sub.add_parser("gpu-evidence", add_help=False,
+                   help="every GPU measurement the book needs, as JSON (see gpu-evidence --help)")
     args = parser.parse_args(argv)
     if args.bench == "kernels":
         kernels.kernels_main(args)

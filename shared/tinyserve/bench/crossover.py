@@ -5,7 +5,7 @@ weight read until the batch reaches ``peak FLOP/s / bandwidth x bytes per
 parameter / 2`` requests (153 for a 7B fp16 model on an A100), and grows
 linearly after. This module checks that on the machine it runs on:
 
-1. measure the two ceilings (``hardware.measure_device``): copy bandwidth and
+1. measure the two ceilings (``measure.measure_device``): copy bandwidth and
    matmul peak;
 2. sweep the batch size (log-spaced; GPU 1...1024, CPU 1...256) for
 
@@ -23,7 +23,7 @@ linearly after. This module checks that on the machine it runs on:
    * **tinyserve's own model**: pure decode steps of the ``cpu-bench`` preset
      through the engine (as notebook 01 does), timed from ``engine.step_stats``;
 
-3. fit a flat-then-linear hinge to each curve (``hardware.fit_knee``; on a CPU
+3. fit a flat-then-linear hinge to each curve (``measure.fit_knee``; on a CPU
    from B = 2, see ``fit_min_batch``) and print
    the measured knee next to the predicted crossover, and the B=1 step next to
    the weight-read floor ``weight bytes / copy bandwidth``.
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from tinyserve import hardware as hwm
+from tinyserve import measure
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLP_RATIO = 11008 / 4096          # Llama-7B's intermediate / hidden
@@ -266,7 +267,7 @@ def knee_report(batch_sizes, step_times, hw: hwm.HardwareSpec, dtype: str, weigh
     keep = b >= min_batch
     if np.unique(b[keep]).size < 3:                              # too few points left: fit them all
         keep[:], min_batch = True, 1
-    fit = hwm.fit_knee(b[keep], t[keep])
+    fit = measure.fit_knee(b[keep], t[keep])
     floor = weight_read_floor(hw, weight_bytes)
     pred = predicted_crossover(hw, dtype)
     return {"knee": fit.knee, "fit_floor_s": fit.floor, "fit_slope_s": fit.slope, "flat": fit.flat,
@@ -280,7 +281,7 @@ def spec_to_dict(hw: hwm.HardwareSpec) -> dict:
 
 
 def machine_info(device: str) -> dict:
-    info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": hwm._cpu_name(),
+    info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": measure.cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -296,7 +297,7 @@ def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = 
     """Measure ceilings, sweep both curves, fit them; return the report (see ``REPORT_KEYS``)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     say = print if verbose else (lambda *a, **k: None)
-    hw = hwm.measure_device(device, seconds=measure_seconds)
+    hw = measure.measure_device(device, seconds=measure_seconds)
     say(f"ceilings on {hw.name}: copy bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s, "
         + ", ".join(f"{d} matmul {f / 1e12:.3f} TFLOP/s" for d, f in hw.flops.items()))
 

@@ -26,7 +26,8 @@ import dataclasses
 import statistics
 import time
 
-from tinyserve.hardware import HardwareSpec, ModelSpec, measure_device
+from tinyserve.hardware import HardwareSpec, ModelSpec
+from tinyserve.measure import measure_device
 from tinyserve.metrics import summarize
 from tinyserve.sim import SimExecutor, simulate
 from tinyserve.workload import make_workload, prompt_token_ids

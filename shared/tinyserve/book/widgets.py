@@ -19,7 +19,7 @@ def crossover_calculator(measured: hwm.HardwareSpec | None = None, hardware: str
     """Hardware, model size, dtype and context length -> weight-read floor,
     crossover batch, per-user and total tokens/s against batch size.
 
-    ``measured``: a spec from ``hardware.measure_device()``, offered as the
+    ``measured``: a spec from ``measure.measure_device()``, offered as the
     hardware choice "measured" (it only knows the dtypes it measured).
     ``extra_models``: more ``ModelSpec``s by name (e.g. the ``cpu-bench`` preset).
     Returns the widget: leave it as a cell's last expression to show it.

@@ -267,13 +267,13 @@ def check_find_knee(find_knee):
 def _check_knee(find_knee, label, b, t, true):
     """One curve: the knee must be within 30% of ``true`` (or 25% of ``fit_knee``'s), and
     max(batch_sizes) for a flat curve. Returns the relative error (None when flat)."""
-    from tinyserve import hardware as H
+    from tinyserve.measure import fit_knee
 
     got = student_number(find_knee, "find_knee", label, b.copy(), t.copy())
-    ref = H.fit_knee(b, t)
+    ref = fit_knee(b, t)
     b_max = float(b.max())
     if true is None:
-        assert ref.flat, f"internal: {label} should be flat for hardware.fit_knee"
+        assert ref.flat, f"internal: {label} should be flat for measure.fit_knee"
         if abs(got - b_max) <= 1e-9 * b_max:
             return None
         fail(f"[{label}] 这条曲线是平的（测到的最大批 {b_max:.0f} 时还没拐），应返回 max(batch_sizes) = {b_max:.0f}，"

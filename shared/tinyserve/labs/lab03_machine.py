@@ -1,7 +1,7 @@
 """Checks for lab 03 (the batch-size crossover), on the student's own machine.
 
 ``check_my_machine(find_knee, crossover_batch)`` measures this CPU's ceilings
-with ``tinyserve.hardware.measure_device``, then the step time of a stack of
+with ``tinyserve.measure.measure_device``, then the step time of a stack of
 matmuls against batch size; it fits the knee with the student's ``find_knee``
 and compares it with the student's ``crossover_batch`` on the measured
 ceilings. The other checks of lab 03 are in ``tinyserve.labs.lab03``.
@@ -83,9 +83,10 @@ def _my_machine(find_knee, crossover_batch, plot, budget_s):
     import numpy as np
 
     from tinyserve import hardware as H
+    from tinyserve import measure as M
 
     start = time.perf_counter()
-    spec = H.measure_device("cpu", seconds=min(1.5, budget_s / 6), copy_mib=128, matmul_size=1024)
+    spec = M.measure_device("cpu", seconds=min(1.5, budget_s / 6), copy_mib=128, matmul_size=1024)
     hidden, layers = 1024, 32                        # 32 x 4 MiB = 128 MiB of fp32 weights: past any cache
     model = H.ModelSpec(f"{layers} x [{hidden}x{hidden}] matmuls", float(layers * hidden * hidden),
                         hidden_size=hidden, num_layers=layers, num_kv_heads=1, head_dim=hidden, vocab_size=0)
@@ -109,7 +110,7 @@ def _my_machine(find_knee, crossover_batch, plot, budget_s):
         fail(f"find_knee 返回了 {knee:.4g}，不在扫描范围 [{b.min():.0f}, {b.max():.0f}] 内",
              f"find_knee returned {knee:.4g}, outside the sweep [{b.min():.0f}, {b.max():.0f}]")
     floor, slope, _ = best_hinge_at(b, t, knee)
-    ref = H.fit_knee(b, t)
+    ref = M.fit_knee(b, t)
     flat = abs(knee - b.max()) <= 1e-9 * b.max()
 
     if plot:

@@ -1,0 +1,241 @@
+"""Measuring the machine we run on: its two roofline ceilings, and the knee of a curve.
+
+``measure_device`` times a large copy (memory bandwidth) and large matmuls per
+dtype (FLOP/s) and returns them as a ``hardware.HardwareSpec``, so the roofline
+of ``tinyserve.hardware`` can predict this machine's crossover.
+``fit_knee`` / ``find_knee`` locate the crossover in a measured curve of step
+time against batch size: a flat-then-linear hinge, fitted by least squares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyserve.hardware import HardwareSpec
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _host_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float("nan")
+
+
+def _median_time(fn, sync, seconds: float, min_reps: int = 3) -> float:
+    """Median of repeated timings of ``fn`` (after one warm-up), within about ``seconds``."""
+    fn()
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < 50):
+        times.append(fn())
+    return statistics.median(times)
+
+
+def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = None,
+                   matmul_size: int | None = None) -> HardwareSpec:
+    """Measure this machine's memory bandwidth and matmul peak; return a ``HardwareSpec``.
+
+    Bandwidth: a large ``dst.copy_(src)`` moves ``2 x size`` bytes (read and
+    write). Peak: an ``n x n`` matmul does ``2 n^3`` FLOPs, in fp32 on a CPU and
+    in fp16 and bf16 on a GPU (only measured dtypes appear in ``flops``). Each
+    figure is the median of a few runs within about ``seconds / 2``. Defaults:
+    256 MiB buffers and n = 1536 on a CPU (about 1-3 s), 1 GiB and n = 8192 on a GPU.
+    """
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
+    copy_mib = copy_mib or (1024 if on_gpu else 256)
+    n = matmul_size or (8192 if on_gpu else 1536)
+    budget = seconds / 2
+    sync, timed = _gpu_clock(dev) if on_gpu else _cpu_clock()
+
+    bandwidth = _copy_bandwidth(dev, copy_mib, sync, timed, budget)
+    dtypes = ("fp16", "bf16") if on_gpu else ("fp32",)
+    flops = {dtype: _matmul_flops(dev, dtype, n, sync, timed, budget / len(dtypes))
+             for dtype in dtypes}
+
+    name, memory = _device_name_and_memory(dev) if on_gpu else _host_name_and_memory()
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    source = (f"measured by tinyserve.measure.measure_device on {date}: copy_ of {copy_mib} MiB, "
+              f"{n}x{n} matmul, torch {torch.__version__}")
+    return HardwareSpec(name=name, flops=flops, memory_bandwidth=bandwidth,
+                        memory_size=memory, source=source)
+
+
+def _gpu_clock(dev):
+    """``(sync, timed)`` for a GPU: CUDA events time the kernels, not the Python launching them."""
+    import torch
+
+    def sync():
+        torch.cuda.synchronize(dev)
+
+    def timed(op):
+        def run():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return run
+    return sync, timed
+
+
+def _cpu_clock():
+    """``(sync, timed)`` for a CPU: nothing to wait for, wall time around the call."""
+    def sync():
+        pass
+
+    def timed(op):
+        def run():
+            t = time.perf_counter()
+            op()
+            return time.perf_counter() - t
+        return run
+    return sync, timed
+
+
+def _copy_bandwidth(dev, copy_mib: int, sync, timed, budget: float) -> float:
+    """Bytes/s of ``dst.copy_(src)`` on ``copy_mib`` MiB of fp32 (read + write: ``2 x size``)."""
+    import torch
+
+    numel = copy_mib * 2**20 // 4
+    src = torch.ones(numel, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / _median_time(timed(lambda: dst.copy_(src)), sync, budget)
+    del src, dst
+    return bandwidth
+
+
+def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> float:
+    """FLOP/s of an ``n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs), into a preallocated output."""
+    import torch
+
+    tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n, device=dev).to(tdtype)
+    b = torch.randn(n, n, device=dev).to(tdtype)
+    c = torch.empty(n, n, device=dev, dtype=tdtype)
+    t = _median_time(timed(lambda: torch.matmul(a, b, out=c)), sync, budget)
+    del a, b, c
+    return 2 * n**3 / t
+
+
+def _device_name_and_memory(dev) -> tuple[str, float]:
+    """A GPU's name and total memory in bytes."""
+    import torch
+
+    name = torch.cuda.get_device_name(dev)
+    memory = float(torch.cuda.get_device_properties(dev).total_memory)
+    return name, memory
+
+
+def _host_name_and_memory() -> tuple[str, float]:
+    """The CPU's name with torch's thread count, and the host's physical memory in bytes."""
+    import torch
+
+    name = f"{cpu_name()} ({torch.get_num_threads()} threads)"
+    memory = _host_memory()
+    return name, memory
+
+
+# --------------------------------------------------------------------------- knee fit
+
+
+@dataclass(frozen=True)
+class KneeFit:
+    """A fitted hinge: ``floor`` up to ``knee``, then rising by ``slope`` seconds per request.
+
+    ``flat`` is True when no rise was found; by convention ``knee`` is then the
+    largest batch size measured (the crossover lies at or beyond it).
+    """
+
+    knee: float
+    floor: float
+    slope: float
+    flat: bool = False
+
+    def predict(self, batch_sizes) -> np.ndarray:
+        b = np.asarray(batch_sizes, dtype=float)
+        return self.floor + self.slope * np.maximum(b - self.knee, 0.0)
+
+
+def fit_knee(batch_sizes, step_times, min_rise: float = 0.1, min_f: float = 10.0,
+             num_candidates: int = 1000) -> KneeFit:
+    """Fit ``t = floor`` for ``B <= knee`` and ``floor + slope (B - knee)`` after.
+
+    For each candidate knee (log-spaced between the smallest and the largest
+    batch size, as the sweep usually is) the floor and slope follow from a
+    weighted least-squares line fit; the weights 1/t make it minimise relative
+    error, so the flat part counts as much as the steep tail. The knee with the
+    smallest residual wins.
+
+    The curve is called flat, and the knee reported at ``B_max`` (the crossover
+    lies at or beyond the sweep), when the fitted rise over the measured range,
+    ``slope x (B_max - knee)``, is under ``min_rise`` of the floor, or when the
+    hinge does not fit clearly better than a flat line: its two extra
+    parameters must cut the residual by ``min_f`` times what noise alone
+    would (an F statistic; with 5% noise a flat curve stays below 10). A knee below the
+    smallest batch cannot be told apart from one at it, so ``knee >= B_min``.
+    """
+    b = np.asarray(batch_sizes, dtype=float).ravel()
+    t = np.asarray(step_times, dtype=float).ravel()
+    if b.shape != t.shape:
+        raise ValueError(f"batch_sizes and step_times differ in length ({b.size} vs {t.size})")
+    if b.size < 3:
+        raise ValueError(f"need at least 3 points to fit a knee, got {b.size}")
+    if not (np.all(np.isfinite(b)) and np.all(np.isfinite(t)) and np.all(b > 0) and np.all(t > 0)):
+        raise ValueError("batch sizes and step times must be positive and finite")
+    if np.unique(b).size < 2:
+        raise ValueError("need at least 2 distinct batch sizes")
+    b_min, b_max = b.min(), b.max()
+
+    knees = np.geomspace(b_min, b_max, num_candidates)                     # (K,)
+    x = np.maximum(b[None, :] - knees[:, None], 0.0)                       # (K, n)
+    w = 1.0 / t**2                                                         # relative error
+    sw, sy = w.sum(), (w * t).sum()
+    sx, sxx, sxy = (w * x).sum(1), (w * x * x).sum(1), (w * x * t).sum(1)
+    det = sw * sxx - sx**2
+    ok = det > 1e-12 * sw * np.maximum(sxx, 1e-300)
+    slope = np.where(ok, (sw * sxy - sx * sy) / np.where(ok, det, 1.0), 0.0)
+    slope = np.maximum(slope, 0.0)                                         # a step never gets faster
+    floor = (sy - slope * sx) / sw
+    resid = (w * (t[None, :] - floor[:, None] - slope[:, None] * x) ** 2).sum(1)
+    i = int(np.argmin(resid))
+    knee, fl, s = float(knees[i]), float(floor[i]), float(slope[i])
+    mean = sy / sw
+    rss_flat, rss_hinge = float((w * (t - mean) ** 2).sum()), float(resid[i])
+    dof = b.size - 3
+    if dof > 0 and rss_hinge > 0:
+        f_stat = (rss_flat - rss_hinge) / 2 / (rss_hinge / dof)
+    else:
+        f_stat = math.inf if rss_flat > rss_hinge else 0.0
+    if s * (b_max - knee) < min_rise * fl or f_stat < min_f:
+        return KneeFit(knee=float(b_max), floor=float(mean), slope=0.0, flat=True)
+    return KneeFit(knee=knee, floor=fl, slope=s)
+
+
+def find_knee(batch_sizes, step_times, **kwargs) -> float:
+    """The crossover batch of a measured curve: ``fit_knee(...).knee`` (see there)."""
+    return fit_knee(batch_sizes, step_times, **kwargs).knee
