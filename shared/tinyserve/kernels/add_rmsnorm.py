@@ -88,6 +88,14 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_config(n_rows: int, n_cols: int, interpret: bool | None = None) -> dict:
+    """Constexprs and ``num_warps`` :func:`add_rmsnorm_triton` launches with
+    (``interpret=False``: what it picks on a CUDA device; checked by ``tinyserve.kernels.aot``)."""
+    block_n = next_power_of_2(n_cols)
+    block_m = rows_per_program(n_rows, block_n, interpret)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n))
+
+
 def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Triton kernel: ``(out, x + residual)`` in one pass over memory."""
@@ -103,10 +111,8 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     new_res = torch.empty_like(x2)
     if n_rows:
-        block_n = next_power_of_2(n_cols)
-        block_m = rows_per_program(n_rows, block_n)
-        grid = (triton.cdiv(n_rows, block_m),)
+        meta = launch_config(n_rows, n_cols)
+        grid = (triton.cdiv(n_rows, meta["BLOCK_M"]),)
         _add_rmsnorm_kernel[grid](x2, r2, weight.contiguous(), out, new_res, n_rows, n_cols, eps,
-                                  BLOCK_M=block_m, BLOCK_N=block_n,
-                                  num_warps=num_warps_for(block_m * block_n))
+                                  **meta)
     return out.view(x.shape), new_res.view(x.shape)

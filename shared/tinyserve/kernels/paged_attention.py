@@ -129,16 +129,65 @@ def paged_decode_attention_steps(variant: str, context_lens: Sequence[int], num_
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int,
-                      device: torch.device | str | None = None, min_tokens: int = 256) -> int:
+                      device: torch.device | str | None = None, min_tokens: int = 256,
+                      sm_count: int | None = None) -> int:
     """Programs per (request, KV head): enough for about four per streaming
     multiprocessor (so many loads are in flight at once), each with at least
     ``min_tokens`` tokens. One in the interpreter, where fewer program
-    instances is what makes it fast."""
-    if interpreting() or not torch.cuda.is_available():
-        return 1
-    sms = torch.cuda.get_device_properties(device or torch.cuda.current_device()).multi_processor_count
+    instances is what makes it fast. ``sm_count`` stands in for the device's
+    (``tinyserve.kernels.aot`` plans launches for GPUs it does not have)."""
+    if sm_count is None:
+        if interpreting() or not torch.cuda.is_available():
+            return 1
+        sms = torch.cuda.get_device_properties(device or torch.cuda.current_device()).multi_processor_count
+    else:
+        sms = sm_count
     want = cdiv(4 * sms, max(1, batch * num_kv_heads))
     return max(1, min(want, cdiv(max_context_len, min_tokens), 64))
+
+
+# Largest GROUP_PAD * TILE * D_PAD product the broadcast (no tl.dot) path takes:
+# one [GROUP_PAD, TILE, D_PAD] fp32 product over 128 threads is 64 values each.
+_NO_DOT_ELEMS = 64 * 128
+
+
+def decode_launch_config(group: int, head_dim: int, dtype: torch.dtype, max_context_len: int,
+                         num_splits: int, tile: int | None = None) -> dict:
+    """Everything :func:`paged_decode_attention_triton` launches with, for
+    ``group`` query heads per KV head and a block table ``max_context_len``
+    tokens wide, split ``num_splits`` ways (before rounding to whole tiles).
+
+    Returns ``meta`` (constexprs and ``num_warps`` of ``_paged_decode_kernel``),
+    ``splits``, ``tokens_per_split`` and ``merge_meta`` (those of
+    ``_merge_splits_kernel``, None without splits). ``tinyserve.kernels.aot``
+    compiles exactly these for sm_80-sm_90 and fails on any register spill.
+
+    Why these (ptxas, 4 warps): padding one query row (MHA) to the 16 rows
+    ``tl.dot`` needs cost 255 registers and ~600 spilled bytes at head_dim 128,
+    TILE 64. MHA now multiplies and reduces without ``tl.dot``
+    (``USE_DOT=False``; 130-170 registers at head_dim 128, TILE 64); GQA keeps
+    ``tl.dot`` with TILE 32 at head_dim 128 (80-100 registers). Measured
+    spills to avoid: the broadcast path at TILE 32 (8 B on sm_90) and for
+    groups of 2-4 (4-24 B on sm_86/89, capped at 128 registers).
+    """
+    d_pad = max(16, next_power_of_2(head_dim))
+    g_pad = next_power_of_2(group)
+    use_dot = group > 1 or 16 * d_pad > _NO_DOT_ELEMS
+    if use_dot:
+        g_pad = max(16, g_pad)               # tl.dot needs >= 16 rows
+        auto_tile = 64 if d_pad <= 64 else 32
+    else:
+        auto_tile = max(16, min(64, _NO_DOT_ELEMS // (g_pad * d_pad)))
+    tile = tile or auto_tile
+    tokens_per_split = cdiv(cdiv(max_context_len, max(1, num_splits)), tile) * tile
+    splits = cdiv(max_context_len, tokens_per_split)     # no split starts past the table
+    meta = dict(GROUP=group, GROUP_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, TILE=tile,
+                SPLIT=splits > 1, IEEE=dtype == torch.float32, USE_DOT=use_dot, num_warps=4)
+    merge_meta = None
+    if splits > 1:
+        merge_meta = dict(HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim),
+                          S_PAD=max(2, next_power_of_2(splits)), num_warps=4)
+    return dict(meta=meta, splits=splits, tokens_per_split=tokens_per_split, merge_meta=merge_meta)
 
 
 if HAS_TRITON:
@@ -161,7 +210,7 @@ if HAS_TRITON:
             tokens_per_split, block_size,
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             D_PAD: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-            IEEE: tl.constexpr):
+            IEEE: tl.constexpr, USE_DOT: tl.constexpr):
         # One program: request b, KV head kvh, split s; it serves the GROUP query
         # heads that share kvh, so each K/V row is loaded once for all of them.
         b = tl.program_id(0)
@@ -171,7 +220,7 @@ if HAS_TRITON:
         lo = split * tokens_per_split
         hi = tl.minimum(lo + tokens_per_split, ctx)
 
-        g = tl.arange(0, GROUP_PAD)               # padded to >= 16 rows for tl.dot
+        g = tl.arange(0, GROUP_PAD)               # padded to >= 16 rows for tl.dot (USE_DOT)
         d = tl.arange(0, D_PAD)                   # head_dim padded to a power of two
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
@@ -191,7 +240,10 @@ if HAS_TRITON:
             row = phys * stride_kb + (tok % block_size) * stride_kt + kvh * stride_kh
             kv_mask = t_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), IEEE) * scale   # [G, TILE]
+            if USE_DOT:
+                s = _dot(q, tl.trans(k), IEEE) * scale   # [G, TILE]
+            else:                                        # few rows: multiply, reduce over D
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
             s = tl.where(t_ok[None, :], s, -float("inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -200,7 +252,11 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             row_v = phys * stride_vb + (tok % block_size) * stride_vt + kvh * stride_vh
             v = tl.load(v_ptr + row_v[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            if USE_DOT:
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            else:
+                pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]
+                acc = acc * alpha[:, None] + tl.sum(pv, axis=1)
             m_i = m_new
 
         out_mask = g_ok[:, None] & d_ok[None, :]
@@ -241,11 +297,12 @@ if HAS_TRITON:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, num_splits: int | None = None,
-                                  tile: int = 64) -> torch.Tensor:
+                                  tile: int | None = None) -> torch.Tensor:
     """Fused Triton kernel: one pass over each request's K and V blocks, online softmax.
 
     ``num_splits=None`` picks :func:`choose_num_splits` from the table width
-    (an upper bound on the context, so the host never waits for the GPU).
+    (an upper bound on the context, so the host never waits for the GPU);
+    ``tile=None`` and the rest of the launch come from :func:`decode_launch_config`.
     """
     require_triton("paged_decode_attention_triton")
     _check_shapes(q, k_cache, v_cache, block_tables, context_lens)
@@ -262,13 +319,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if b == 0:
         return out
     max_ctx = block_tables.shape[1] * block_size
-    splits = num_splits or choose_num_splits(b, hkv, max_ctx, q.device)
-    tokens_per_split = cdiv(cdiv(max_ctx, splits), tile) * tile
-    splits = cdiv(max_ctx, tokens_per_split)              # no split starts past the table
-    d_pad = max(16, next_power_of_2(d))
-    meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
-                TILE=tile, SPLIT=splits > 1,
-                IEEE=k_cache.dtype == torch.float32, num_warps=4)
+    cfg = decode_launch_config(group, d, k_cache.dtype, max_ctx,
+                               num_splits or choose_num_splits(b, hkv, max_ctx, q.device), tile)
+    meta, splits, tokens_per_split = cfg["meta"], cfg["splits"], cfg["tokens_per_split"]
     strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                block_tables.stride(0))
     if splits == 1:
@@ -285,6 +338,5 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                            out.stride(0), out.stride(1), tokens_per_split, block_size,
                                            **meta)
     _merge_splits_kernel[(b, hq)](acc, m, l, out, splits, out.stride(0), out.stride(1),
-                                  HEAD_DIM=d, D_PAD=next_power_of_2(d),
-                                  S_PAD=max(2, next_power_of_2(splits)), num_warps=4)
+                                  **cfg["merge_meta"])
     return out

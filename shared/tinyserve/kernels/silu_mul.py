@@ -43,6 +43,13 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_config(n: int, interpret: bool | None = None) -> dict:
+    """Constexprs and ``num_warps`` :func:`silu_mul_triton` launches with
+    (``interpret=False``: what it picks on a CUDA device; checked by ``tinyserve.kernels.aot``)."""
+    interpret = interpreting() if interpret is None else interpret
+    return dict(BLOCK=1 << 16 if interpret else 2048, num_warps=8)
+
+
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Fused Triton kernel: ``silu(gate) * up`` in one pass (computed in fp32)."""
     require_triton("silu_mul_triton")
@@ -54,6 +61,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        block = 1 << 16 if interpreting() else 2048
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8)
+        meta = launch_config(n)
+        _silu_mul_kernel[(triton.cdiv(n, meta["BLOCK"]),)](gate, up, out, n, **meta)
     return out

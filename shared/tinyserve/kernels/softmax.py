@@ -62,6 +62,14 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_config(n_rows: int, n_cols: int, interpret: bool | None = None) -> dict:
+    """Constexprs and ``num_warps`` :func:`softmax_triton` launches with
+    (``interpret=False``: what it picks on a CUDA device; checked by ``tinyserve.kernels.aot``)."""
+    block_n = next_power_of_2(n_cols)
+    block_m = rows_per_program(n_rows, block_n, interpret)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n))
+
+
 def softmax_triton(x: torch.Tensor) -> torch.Tensor:
     """Fused Triton kernel: softmax over the last dim, one read and one write."""
     require_triton("softmax_triton")
@@ -74,9 +82,6 @@ def softmax_triton(x: torch.Tensor) -> torch.Tensor:
     n_rows = x2.shape[0]
     out = torch.empty_like(x2)
     if n_rows and n_cols:
-        block_n = next_power_of_2(n_cols)
-        block_m = rows_per_program(n_rows, block_n)
-        _softmax_kernel[(triton.cdiv(n_rows, block_m),)](x2, out, n_rows, n_cols,
-                                                         BLOCK_M=block_m, BLOCK_N=block_n,
-                                                         num_warps=num_warps_for(block_m * block_n))
+        meta = launch_config(n_rows, n_cols)
+        _softmax_kernel[(triton.cdiv(n_rows, meta["BLOCK_M"]),)](x2, out, n_rows, n_cols, **meta)
     return out.view(x.shape)

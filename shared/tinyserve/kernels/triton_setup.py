@@ -65,11 +65,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def rows_per_program(n_rows: int, block_n: int) -> int:
+def rows_per_program(n_rows: int, block_n: int, interpret: bool | None = None) -> int:
     """Rows one program of a row-wise kernel handles: one on a GPU for wide
     rows; many in the interpreter, where each program instance costs about a
-    millisecond of Python whatever its size."""
-    target = 1 << 16 if interpreting() else 4096
+    millisecond of Python whatever its size. ``interpret=None``: this process's mode
+    (``False`` asks for the CUDA choice, as ``tinyserve.kernels.aot`` does)."""
+    interpret = interpreting() if interpret is None else interpret
+    target = 1 << 16 if interpret else 4096
     return max(1, min(next_power_of_2(n_rows), target // block_n))
 
 
