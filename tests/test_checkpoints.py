@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from test_engine import hf_greedy
 from tinyserve import LLM, SamplingParams
 from tinyserve.checkpoint import ARCHITECTURES, config_from_hf, weight_files
 from tinyserve.model import Llama3RopeScaling, llama3_inv_freq, rope_inv_freq
@@ -65,15 +66,6 @@ def save_hf_model(arch, path, dtype=torch.float32, seed=0):
     # The reference is the checkpoint as transformers loads it: `.to(bfloat16)` above also
     # rounded the rotary inv_freq buffer, which from_pretrained recomputes in fp32.
     return cls.from_pretrained(path, dtype=dtype).eval()
-
-
-def hf_greedy(model, prompt, steps):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(steps):
-            nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
-            ids = torch.cat([ids, nxt], dim=1)
-    return ids[0, len(prompt):].tolist()
 
 
 def id_prompts(seed):

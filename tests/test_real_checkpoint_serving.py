@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from test_checkpoints import hf_greedy, randomize
+from test_checkpoints import randomize
+from test_engine import hf_greedy
 from test_hf_tokenizer import CHATML_TEMPLATE, SAMPLES, train_byte_level
 from tinyserve import LLM, SamplingParams
 from tinyserve.serving.processes import ServerProcess

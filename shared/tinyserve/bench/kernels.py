@@ -22,7 +22,6 @@ torch/triton versions.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import math

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import io
 import json
 import os
@@ -257,13 +258,11 @@ def _notebook_jobs() -> tuple[list[Job], list[str]]:
     return jobs, missing
 
 
+@functools.lru_cache(maxsize=None)     # one module per cell, however many jobs use it
 def _exec_kernel_cell(src: str) -> dict:
-    import triton
-    import triton.language as tl
-    ns = {"triton": triton, "tl": tl, "__name__": "tinyserve_aot_notebook"}
     # Triton reads a kernel's source from its file: give the cell one.
-    import tempfile
     import importlib.util
+    import tempfile
     d = tempfile.mkdtemp(prefix="tinyserve_aot_nb_")
     path = os.path.join(d, "cell.py")
     with open(path, "w", encoding="utf-8") as f:
@@ -276,7 +275,7 @@ def _exec_kernel_cell(src: str) -> dict:
 
 # ---- compiling ----------------------------------------------------------------------------
 
-def _resolve(job: Job):
+def _kernel_of(job: Job):
     if job.source is not None:
         return _exec_kernel_cell(job.source)[job.kernel.split(":", 1)[1]]
     import importlib
@@ -329,7 +328,7 @@ def compile_one(job: Job) -> Row:
     row = Row(job.kernel, job.config, f"sm_{job.arch}", job.dtype, num_warps=job.num_warps,
               shared_limit=SMEM_LIMIT[job.arch])
     try:
-        fn = _resolve(job)
+        fn = _kernel_of(job)
         signature, constexprs, attrs = _specialize(fn, job)
         knobs.nvidia.dump_ptxas_log = True      # ptxas -v's report, printed to stdout
         buf = io.StringIO()

@@ -27,7 +27,7 @@ prompt string otherwise (for chat, the rendered messages).
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
 # ---- the policies -------------------------------------------------------------------
 
