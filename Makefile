@@ -7,8 +7,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Extra pip options (an index with CPU-only torch wheels, a proxy, ...).
 PIP_ARGS ?=
-# Folder `make lab` opens; `make lab DIR=labs` for the student labs.
-DIR ?= chapters
+# `make lab` serves the repository root, so the links between chapters/, labs/ and
+# solutions/ work, and opens OPEN. In a classroom container: make lab HOST=0.0.0.0 PORT=8888.
+HOST ?= 127.0.0.1
+PORT ?= 8888
+OPEN ?= chapters/ch05_engine_and_scheduling/00_overview.ipynb
+# On students' machines, `make lab HIDE_SOLUTIONS=1` keeps solutions/ out of the file browser.
+HIDE_SOLUTIONS ?=
+HIDDEN := solutions __pycache__ *.pyc *.pyo .DS_Store *~
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install lab test demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
@@ -23,7 +29,7 @@ help:
 	@echo "make bench-sim  the simulator against the real engine on this CPU, and its speed"
 	@echo "make execute  re-run all notebooks in chapters/ and solutions/ in place, rebuild labs/"
 	@echo "make labs     build labs/ from solutions/"
-	@echo "make grade NB=path/to/lab.ipynb   run a student's lab and print its score"
+	@echo "make grade NB=path/to/lab.ipynb [TIMEOUT=60]   run a student's lab and print its score"
 	@echo "make venv     create .venv with \$$(PYTHON) (default python3)"
 	@echo "make install  pip install -e '.[dev]' into .venv (again only when pyproject.toml changes)"
 	@echo "make clean    remove .venv, caches and build artifacts (notebooks and labs stay)"
@@ -43,8 +49,9 @@ $(STAMP): pyproject.toml | $(PY)
 
 # Jupyter refuses to run as root unless told; classroom containers often are root.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(DIR) --ServerApp.ip=127.0.0.1 \
-		$(if $(filter 0,$(shell id -u)),--allow-root)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
+		$(if $(HIDE_SOLUTIONS),$(foreach g,$(HIDDEN),--ContentsManager.hide_globs='$(g)')) \
+		$(if $(filter 0,$(shell id -u)),--allow-root) $(OPEN)
 
 # One pytest run. --nbval-current-env runs notebooks with this venv's python,
 # whatever kernel a machine has installed globally.
@@ -76,11 +83,12 @@ execute: $(STAMP)
 labs: $(STAMP)
 	$(PY) -m tinyserve.labs build
 
-# Check NB before any (slow) set-up.
+# Check NB before any (slow) set-up. Each cell may run TIMEOUT seconds (default 60),
+# so a student's endless loop fails its cell instead of hanging the grading.
 grade:
-	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook.ipynb" >&2; exit 2; }
+	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/notebook.ipynb [TIMEOUT=seconds]" >&2; exit 2; }
 	@$(MAKE) -s --no-print-directory install
-	$(PY) -m tinyserve.labs grade "$(NB)"
+	$(PY) -m tinyserve.labs grade $(if $(TIMEOUT),--timeout $(TIMEOUT)) "$(NB)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist

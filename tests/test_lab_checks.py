@@ -244,7 +244,10 @@ def test_checks_take_a_deque_for_waiting():
 # ---- lab 02: fused add + RMSNorm ---------------------------------------------------------
 # Reference kernel and launcher written out again here, plus typical wrong kernels.
 
+import importlib.util  # noqa: E402
 import math  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -253,85 +256,63 @@ from tinyserve.labs import check_add_rmsnorm, check_add_rmsnorm_kernel, check_fu
 
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="Triton is not installed")
 
+# The reference two-pass kernel over tiles; each wrong kernel is it with one typical mistake.
+REF_KERNEL = """
+@triton.jit
+def kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+    base = tl.program_id(0) * n_cols
+    sum_sq = 0.0
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0)
+        h = x + tl.load(res_ptr + base + cols, mask=mask, other=0.0)
+        tl.store(new_res_ptr + base + cols, h, mask=mask)
+        sq = h.to(tl.float32) * h.to(tl.float32)
+        sum_sq += tl.sum(sq, axis=0)
+    rstd = 1.0 / tl.sqrt(sum_sq / n_cols + eps)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        h32 = (tl.load(x_ptr + base + cols, mask=mask, other=0.0)
+               + tl.load(res_ptr + base + cols, mask=mask, other=0.0)).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + base + cols, h32 * rstd * w, mask=mask)
+"""
+MISTAKES = {  # name: (text in REF_KERNEL, what a student wrote instead)
+    "no_mask": ("mask = cols < n_cols", "mask = cols >= 0"),
+    "fp16_norm": ("sq = h.to(tl.float32) * h.to(tl.float32)", "sq = h * h"),
+    "eps_outside": ("1.0 / tl.sqrt(sum_sq / n_cols + eps)", "1.0 / (tl.sqrt(sum_sq / n_cols) + eps)"),
+    "x_as_residual": ("tl.store(new_res_ptr + base + cols, h, mask=mask)", "tl.store(new_res_ptr + base + cols, x, mask=mask)"),
+    "block_mean": ("sum_sq / n_cols", "sum_sq / BLOCK_N"),
+    # notebook 02's kernel: one tile, right only when it holds the whole row
+    "one_tile": ("range(0, n_cols, BLOCK_N)", "range(0, BLOCK_N, BLOCK_N)"),
+    "per_tile_rstd": ("        w = tl.load(", "        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)\n"
+                      "        w = tl.load("),
+}
+_KERNEL_DIR = Path(tempfile.mkdtemp(prefix="tinyserve_lab02_kernels_"))
+
+
+def lab02_kernel(mistake=None):
+    """REF_KERNEL, or it with MISTAKES[mistake], compiled from a file (Triton reads a kernel's source)."""
+    src = REF_KERNEL
+    if mistake is not None:
+        old, new = MISTAKES[mistake]
+        assert old in src, old
+        src = src.replace(old, new)
+    path = _KERNEL_DIR / f"kernel_{mistake or 'ref'}.py"
+    path.write_text("import triton\nimport triton.language as tl\n" + src, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel
+
+
 if K.HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def ref_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        offs = row * n_cols + cols
-        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(new_res_ptr + offs, h, mask=mask)
-        h32 = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
-
-    @triton.jit
-    def no_mask_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        offs = row * n_cols + cols
-        h = tl.load(x_ptr + offs) + tl.load(res_ptr + offs)
-        tl.store(new_res_ptr + offs, h)
-        h32 = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
-        tl.store(out_ptr + offs, h32 * rstd * tl.load(w_ptr + cols).to(tl.float32))
-
-    @triton.jit
-    def fp16_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        offs = row * n_cols + cols
-        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(new_res_ptr + offs, h, mask=mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)       # in the input dtype
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, h * rstd * w, mask=mask)
-
-    @triton.jit
-    def eps_outside_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        offs = row * n_cols + cols
-        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(new_res_ptr + offs, h, mask=mask)
-        h32 = h.to(tl.float32)
-        rstd = 1.0 / (tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols) + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
-
-    @triton.jit
-    def x_as_residual_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        offs = row * n_cols + cols
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        h = x + tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(new_res_ptr + offs, x, mask=mask)                         # stores x, not the sum
-        h32 = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
-
-    @triton.jit
-    def block_mean_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        offs = row * n_cols + cols
-        h = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(res_ptr + offs, mask=mask, other=0.0)
-        tl.store(new_res_ptr + offs, h, mask=mask)
-        h32 = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / BLOCK_N + eps)   # padded width
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, h32 * rstd * w, mask=mask)
+    ref_kernel = lab02_kernel()
 
     @triton.jit
     def stub_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
@@ -342,7 +323,7 @@ def ref_launcher(x, residual, weight, eps):
     n = x.shape[-1]
     x2, r2 = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
     out, new_res = torch.empty_like(x2), torch.empty_like(x2)
-    ref_kernel[(x2.shape[0],)](x2, r2, weight, out, new_res, n, eps, BLOCK_N=triton.next_power_of_2(n))
+    ref_kernel[(x2.shape[0],)](x2, r2, weight, out, new_res, n, eps, BLOCK_N=min(triton.next_power_of_2(n), 1024))
     return out.view(x.shape), new_res.view(x.shape)
 
 
@@ -364,16 +345,18 @@ def test_lab02_reference_passes_every_check(capsys):
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")       # the fp16 sum of squares overflows, as it should
-@pytest.mark.parametrize("wrong, hint", [
-    ("no_mask_kernel", r"wrote past the end.*mask=cols < n_cols"),
-    ("fp16_norm_kernel", r"overflowed fp16.*tl\.float32"),
-    ("eps_outside_kernel", r"eps is in the wrong place"),
-    ("x_as_residual_kernel", r"new_residual holds x"),
-    ("block_mean_kernel", r"divide by the real width n_cols"),
+@pytest.mark.parametrize("mistake, hint", [
+    ("no_mask", r"wrote past the end.*mask=cols < n_cols"),
+    ("fp16_norm", r"overflowed fp16.*tl\.float32"),
+    ("eps_outside", r"eps is in the wrong place"),
+    ("x_as_residual", r"new_residual holds x"),
+    ("block_mean", r"divide by the real width n_cols"),
+    ("one_tile", r"only the first 128 elements of each row.*Loop for start in range\(0, n_cols, BLOCK_N\)"),
+    ("per_tile_rstd", r"each tile got its own rstd"),
 ])
-def test_check_add_rmsnorm_kernel_rejects(wrong, hint):
+def test_check_add_rmsnorm_kernel_rejects(mistake, hint):
     with pytest.raises(AssertionError, match=hint) as info:
-        check_add_rmsnorm_kernel(globals()[wrong])
+        check_add_rmsnorm_kernel(lab02_kernel(mistake))
     assert re.search(r"[\u4e00-\u9fff]", str(info.value)), "the hint must also be in Chinese"
 
 
@@ -639,7 +622,8 @@ def test_lab03_chapter_figures():
 import codecs  # noqa: E402
 
 from tinyserve.labs import check_pending_start, check_stream_detokenizer, check_utf8_length  # noqa: E402
-from tinyserve.tokenizer import StreamDetokenizer, pending_start  # noqa: E402
+from tinyserve.tokenizer import StreamDetokenizer  # noqa: E402
+from tinyserve.tokenizer import _pending_start as pending_start  # noqa: E402  the engine's own cut
 
 
 def ref_utf8_length(b):

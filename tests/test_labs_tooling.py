@@ -10,9 +10,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from tinyserve.labs.build import STUB, build_all, build_lab, check_all
-from tinyserve.labs.grade import format_table, grade_notebook
-from tinyserve.book.notebooks import WIDGET_VIEW, dumps, run, strip
+from tinyserve.labs.build import CHECK_POINTS, NBGRADER_SCHEMA, STUB, build_all, build_lab, check_all, nbgrader_source
+from tinyserve.labs.grade import format_table, grade_notebook, timeout_hint
+from tinyserve.book.notebooks import NBVAL_TAGS, WIDGET_VIEW, dumps, markers_to_tags, strip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +94,31 @@ def test_check_cells_are_tagged_and_solution_only_cells_dropped():
     assert tags[3] == ["check"]
     assert tags[4] == ["keep"]  # defining check_helper is not calling a check
     assert all("check" not in t for t in tags[:3])
+
+
+def test_answer_and_check_cells_carry_nbgrader_metadata():
+    lab = build_lab(make_solution(), "lab01_x.ipynb")
+    meta = [c.metadata.get("nbgrader") for c in lab.cells]
+    answer = {"grade": False, "locked": False, "schema_version": NBGRADER_SCHEMA, "solution": True, "task": False}
+    assert meta[1] == {**answer, "grade_id": "step"}      # named after the first function it defines
+    assert meta[2] == {**answer, "grade_id": "answer"}    # defines nothing
+    assert meta[3] == {"grade": True, "grade_id": "check_step", "locked": True, "points": CHECK_POINTS,
+                       "schema_version": NBGRADER_SCHEMA, "solution": False, "task": False}
+    assert meta[0] is None and meta[4] is None           # prose, and a definition that is not a check call
+    assert nbgrader_source(make_solution()).cells[1].metadata.nbgrader == meta[1]
+
+
+def test_grade_ids_stay_unique_when_a_check_repeats():
+    nb = make_solution()
+    nb.cells.append(new_code_cell("check_step(step)"))
+    ids = [c.metadata.nbgrader.grade_id for c in nbgrader_source(nb).cells if "nbgrader" in c.metadata]
+    assert ids == ["step", "answer", "check_step", "check_step_cell6"]
+
+
+def test_nbgrader_source_keeps_the_solution_but_drops_teacher_only_cells():
+    src = nbgrader_source(make_solution(), "lab01_x.ipynb")
+    assert src.cells[1].source == SOLUTION_CELL and src.cells[1].outputs
+    assert "print(answer)" not in [c.source for c in src.cells]
 
 
 @pytest.mark.parametrize(
@@ -195,6 +220,50 @@ def test_grade_scores_check_cells_only(tmp_path):
     assert format_table(results).endswith("score: 2/3")
 
 
+def test_grade_interrupts_an_endless_loop_and_goes_on(tmp_path):
+    nb = new_notebook(
+        cells=[
+            new_code_cell("def check_ok():\n    pass\n\ndef check_loop():\n    while True:\n        pass"),
+            new_code_cell("check_loop()"),
+            new_code_cell("check_ok()"),
+        ]
+    )
+    results = grade_notebook(save(nb, tmp_path / "student.ipynb"), timeout=2)
+    assert [(r.name, r.passed, r.error) for r in results] == [
+        ("check_loop", False, timeout_hint(2)),
+        ("check_ok", True, ""),
+    ]
+    assert "timed out after 2 s" in format_table(results)
+
+
+def test_grade_rejects_a_non_positive_timeout(tmp_path):
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got 0"):
+        grade_notebook(tmp_path / "missing.ipynb", timeout=0)
+
+
+# ---- nbval's cell tags ------------------------------------------------------
+
+
+def test_markers_become_the_tags_nbval_reads():
+    from nbval.plugin import comment_markers, metadata_tags
+    for marker, tag in NBVAL_TAGS.items():
+        assert metadata_tags[tag] == comment_markers[marker]  # nbval treats both alike
+    nb = new_notebook(cells=[
+        new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(1)", metadata={"tags": ["keep"]}),
+        new_code_cell("x = 1  # NBVAL_SKIP is not a marker here\n#   NBVAL_SKIP  \ny = 2"),
+        new_code_cell("print(2)"),
+        new_markdown_cell("# NBVAL_SKIP"),
+    ])
+    assert markers_to_tags(nb) == 2
+    assert [(c.source, c.metadata.get("tags")) for c in nb.cells[:3]] == [
+        ("print(1)", ["keep", "nbval-check-output"]),
+        ("x = 1  # NBVAL_SKIP is not a marker here\ny = 2", ["nbval-skip"]),
+        ("print(2)", None),
+    ]
+    assert nb.cells[3].source == "# NBVAL_SKIP"  # prose is left alone
+    assert markers_to_tags(nb) == 0
+
+
 # ---- the repository's real labs ---------------------------------------------
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.ipynb"))
@@ -229,23 +298,6 @@ def test_lab_leaks_no_solution(solution):
     assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text
     lab = nbformat.reads(text, as_version=4)
     assert sum(c.source.count(STUB) for c in lab.cells) == regions
-
-
-@per_solution
-def test_untouched_lab_fails_only_in_check_cells(solution):
-    lab = nbformat.read(lab_of(solution), as_version=4)
-    run(lab, ROOT / "labs", allow_errors=True)  # keeps going after an error, like a student would
-    errored = [
-        i for i, c in enumerate(lab.cells)
-        if c.cell_type == "code" and any(o.output_type == "error" for o in c.outputs)
-    ]
-    assert errored, "an untouched lab should fail at least one check"
-    outside = [
-        f"cell {i}: {next(o.ename for o in lab.cells[i].outputs if o.output_type == 'error')}"
-        for i in errored
-        if "check" not in lab.cells[i].metadata.get("tags", [])
-    ]
-    assert not outside, f"errors outside check cells: {outside}"
 
 
 def test_every_lab_has_a_solution():

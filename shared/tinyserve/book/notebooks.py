@@ -1,10 +1,15 @@
 """Execute notebooks in place and keep them clean for git.
 
     python -m tinyserve.book.notebooks execute PATH...   (notebooks or folders)
+    python -m tinyserve.book.notebooks tags PATH...      (# NBVAL_* comments -> cell tags)
 
 Chapters are committed with their outputs, so a reader sees the figures
 without running anything. Executing rewrites each notebook with fresh outputs
 and drops what only adds noise to diffs: widget state and per-cell timings.
+
+nbval reads its per-cell options from a comment line (``# NBVAL_CHECK_OUTPUT``)
+or from a cell tag (``nbval-check-output``); the tag keeps test plumbing out of
+the code a reader sees, and ``tags`` turns the one into the other.
 """
 
 import argparse
@@ -18,7 +23,34 @@ from nbclient import NotebookClient
 KERNEL_NAME = "python3"
 CELL_TIMEOUT = 600  # seconds; notebooks aim for under a minute in total
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+KERNEL_QUIET = ["--IPKernelApp.log_level=ERROR"]
 KERNELSPEC = {"name": KERNEL_NAME, "display_name": "Python 3 (ipykernel)", "language": "python"}
+
+
+# nbval's comment markers and the cell tags it reads instead (nbval.plugin.metadata_tags).
+NBVAL_TAGS = {marker: marker.lower().replace("_", "-") for marker in
+              ("NBVAL_CHECK_OUTPUT", "NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")}
+
+
+def markers_to_tags(nb):
+    """Move every ``# NBVAL_*`` comment line of nb's code cells into a cell tag; return how many."""
+    moved = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept, tags = [], list(cell.metadata.get("tags", []))
+        for line in cell.source.split("\n"):
+            tag = NBVAL_TAGS.get(line.strip().lstrip("#").strip()) if line.strip().startswith("#") else None
+            if tag is None:
+                kept.append(line)
+                continue
+            moved += 1
+            if tag not in tags:
+                tags.append(tag)
+        if len(kept) != len(cell.source.split("\n")):
+            cell.source = "\n".join(kept)
+            cell.metadata["tags"] = tags
+    return moved
 
 
 def strip(nb):
@@ -56,16 +88,21 @@ def write(nb, path):
     Path(path).write_text(dumps(nb), encoding="utf-8")
 
 
-def run(nb, cwd, allow_errors=False, interrupt_on_timeout=False):
-    """Execute nb (in place) with the python3 kernel, cwd = the notebook's folder."""
+def run(nb, cwd, allow_errors=False, timeout=CELL_TIMEOUT, **options):
+    """Execute nb (in place) with the python3 kernel, cwd = the notebook's folder.
+
+    ``options`` go to nbclient's NotebookClient (interrupt_on_timeout, hooks...).
+    """
     client = NotebookClient(
         nb,
         kernel_name=KERNEL_NAME,
-        timeout=CELL_TIMEOUT,
+        timeout=timeout,
         allow_errors=allow_errors,
-        interrupt_on_timeout=interrupt_on_timeout,
         record_timing=False,
         resources={"metadata": {"path": str(cwd)}},
+        # The kernel's start-up warnings (plain-TCP transport) are not the reader's to act on.
+        extra_arguments=KERNEL_QUIET,
+        **options,
     )
     return client.execute()
 
@@ -99,7 +136,18 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="run notebooks in place, keep outputs")
     ex.add_argument("paths", nargs="+", metavar="PATH", help="notebook or folder")
+    tg = sub.add_parser("tags", help="turn # NBVAL_* comment lines into nbval's cell tags, in place")
+    tg.add_argument("paths", nargs="+", metavar="PATH", help="notebook or folder")
     args = parser.parse_args(argv)
+
+    if args.command == "tags":
+        for path in find_notebooks(args.paths):
+            nb = nbformat.read(path, as_version=4)
+            moved = markers_to_tags(nb)
+            if moved:
+                write(nb, path)
+                print(f"{moved:3d} marker(s) -> tags  {path}")
+        return 0
 
     failed = []
     for path in find_notebooks(args.paths):

@@ -2,14 +2,16 @@
 
     python -m tinyserve.labs build [--solutions solutions --labs labs]
     python -m tinyserve.labs check [--solutions solutions --labs labs]
-    python -m tinyserve.labs grade NB...
+    python -m tinyserve.labs grade [--timeout SECONDS] NB...
+    python -m tinyserve.labs nbgrader COURSE [--solutions solutions]
 """
 
 import argparse
 import sys
 
 from tinyserve.labs.build import build_all, check_all
-from tinyserve.labs.grade import format_table, grade_notebook
+from tinyserve.labs.course import write_course
+from tinyserve.labs.grade import CELL_TIMEOUT, format_table, grade_notebook
 
 
 def main(argv=None):
@@ -24,6 +26,11 @@ def main(argv=None):
         p.add_argument("--labs", default="labs", help="folder of generated student notebooks")
     g = sub.add_parser("grade", help="run a student's notebook and print a score table")
     g.add_argument("notebooks", nargs="+", metavar="NB")
+    g.add_argument("--timeout", type=int, default=CELL_TIMEOUT,
+                   help=f"seconds a cell may run before it fails (default {CELL_TIMEOUT})")
+    n = sub.add_parser("nbgrader", help="write an nbgrader course folder (config + source/) from solutions/")
+    n.add_argument("course", metavar="COURSE", help="course folder to write (created if missing)")
+    n.add_argument("--solutions", default="solutions", help="folder of solution notebooks")
     args = parser.parse_args(argv)
 
     if args.command == "build":
@@ -41,9 +48,18 @@ def main(argv=None):
         print(f"{args.labs}/ is up to date and leaks no solution")
         return 0
 
+    if args.command == "nbgrader":
+        written = write_course(args.course, args.solutions)
+        for path in written:
+            print(f"wrote {path}")
+        print(f"next: cd {args.course} && nbgrader generate_assignment {written[0].parent.name} (one per lab)")
+        return 0
+
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     for nb in args.notebooks:
         print(f"== {nb}")
-        print(format_table(grade_notebook(nb)))
+        print(format_table(grade_notebook(nb, timeout=args.timeout)))
     return 0  # the score is the result, not the exit code
 
 

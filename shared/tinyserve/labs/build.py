@@ -10,6 +10,14 @@ part sits between two marker lines (nbgrader's convention):
 The lab gets one `raise NotImplementedError(...)` line instead, at the
 marker's indentation, so the surrounding function still parses and fails
 only when a check calls it.
+
+Both the lab and the nbgrader source (`nbgrader_source`, written into a course
+folder by `python -m tinyserve.labs nbgrader COURSE`) carry nbgrader's cell
+metadata, derived here from the markers and the check calls, so that
+`nbgrader generate_assignment` releases what `build_lab` writes and
+`nbgrader autograde` scores the same check cells as `make grade`: a cell with
+markers is an autograded answer, a cell calling `check_*` is a locked test
+worth CHECK_POINTS.
 """
 
 import copy
@@ -25,6 +33,8 @@ END = "### END SOLUTION"
 STUB = 'raise NotImplementedError("在这里写你的代码 / write your code here")'
 CHECK_TAG = "check"
 SOLUTION_ONLY_TAG = "solution-only"
+NBGRADER_SCHEMA = 3  # nbgrader 0.9's cell metadata version
+CHECK_POINTS = 1
 
 # A call of a check function, e.g. `check_step(fn)` or `labs.check_step(fn)`;
 # `def check_x(` is a definition and `request.check_stop(` a method, not checks.
@@ -75,28 +85,74 @@ def has_markers(nb):
     return any(c.cell_type == "code" and is_marker(c.source, BEGIN) for c in nb.cells)
 
 
-def build_lab(src_nb, name=None):
-    """Return the student version of a solution notebook (a path or a NotebookNode)."""
-    if not isinstance(src_nb, nbformat.NotebookNode):
-        name = name or Path(src_nb).name
-        src_nb = nbformat.read(src_nb, as_version=4)
-    name = name or "<notebook>"
-    nb = copy.deepcopy(src_nb)  # the caller's notebook stays untouched
+# The first name a solution cell defines (`def retire(`, `class StreamDetokenizer(`).
+DEFINED_NAME = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", re.MULTILINE)
 
-    cells = []
+
+def nbgrader_cell(grade_id, *, solution):
+    """nbgrader's metadata: an autograded answer (solution) or a locked, scored test."""
+    meta = {"grade": not solution, "grade_id": grade_id, "locked": not solution,
+            "schema_version": NBGRADER_SCHEMA, "solution": solution, "task": False}
+    if not solution:
+        meta["points"] = CHECK_POINTS
+    return meta
+
+
+def cell_role(cell):
+    """("answer", base id) for a cell with markers, ("check", base id) for a check cell, or None."""
+    if cell.cell_type != "code":
+        return None
+    if is_marker(cell.source, BEGIN):
+        m = DEFINED_NAME.search(cell.source)
+        return "answer", m.group(1) if m else "answer"
+    if is_check_cell(cell):
+        return "check", check_name(cell.source) or "check"
+    return None
+
+
+def nbgrader_source(src_nb, name=None):
+    """The solution notebook as an nbgrader source: teacher-only cells dropped, every
+    answer and check cell carrying nbgrader metadata (unique, stable grade ids), the
+    check cells tagged. Raises ValueError on unbalanced markers."""
+    src_nb, name = _read(src_nb, name)
+    nb = copy.deepcopy(src_nb)  # the caller's notebook stays untouched
+    cells, used = [], set()
     for index, cell in enumerate(nb.cells):
         tags = cell.metadata.get("tags", [])
         if SOLUTION_ONLY_TAG in tags:
             continue
         if cell.cell_type == "code":
-            cell.source = replace_solutions(cell.source, f"{name}: cell {index}")
-            cell.outputs = []
-            cell.execution_count = None
-            if is_check_cell(cell) and CHECK_TAG not in tags:
+            replace_solutions(cell.source, f"{name}: cell {index}")  # validates the markers
+        cell.metadata.pop("nbgrader", None)
+        role = cell_role(cell)
+        if role is not None:
+            kind, base = role
+            grade_id = base if base not in used else f"{base}_cell{index}"
+            used.add(grade_id)
+            cell.metadata["nbgrader"] = nbgrader_cell(grade_id, solution=kind == "answer")
+            if kind == "check" and CHECK_TAG not in tags:
                 cell.metadata["tags"] = tags + [CHECK_TAG]
         cells.append(cell)
     nb.cells = cells
+    return nb
+
+
+def build_lab(src_nb, name=None):
+    """Return the student version of a solution notebook (a path or a NotebookNode)."""
+    src_nb, name = _read(src_nb, name)
+    nb = nbgrader_source(src_nb, name)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.source = replace_solutions(cell.source, f"{name}: cell {index}")
+            cell.outputs = []
+            cell.execution_count = None
     return strip(nb)
+
+
+def _read(src_nb, name):
+    if not isinstance(src_nb, nbformat.NotebookNode):
+        return nbformat.read(src_nb, as_version=4), name or Path(src_nb).name
+    return src_nb, name or "<notebook>"
 
 
 def solution_notebooks(solutions):

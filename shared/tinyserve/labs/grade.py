@@ -4,6 +4,10 @@ A check cell passes when it ran without raising. Errors are allowed while
 running, so one failing exercise does not hide the score of the others.
 A check that measures something (lab 07's goodput) prints a line starting
 with ``score:``; the table shows the last such line of each check cell.
+
+Every cell runs under a time limit (CELL_TIMEOUT seconds, ``--timeout``): a
+student's endless loop is interrupted, its cell fails with a hint, and the
+grading goes on, so a whole notebook takes at most cells x limit.
 """
 
 from dataclasses import dataclass
@@ -26,6 +30,14 @@ class CheckResult:
 
 
 SCORE_PREFIX = "score:"
+# Seconds per cell: the slowest solution cell takes a few seconds on a 2-core CPU.
+CELL_TIMEOUT = 60
+TIMED_OUT = "CellTimeoutError"  # the error a cell gets when its time is up
+
+
+def timeout_hint(seconds):
+    return (f"超时：{seconds} 秒内没有结束，可能有一个永远不结束的循环 / "
+            f"timed out after {seconds} s: is there a loop that never ends?")
 
 
 def short_error(cell, limit=100):
@@ -49,14 +61,23 @@ def score_line(cell):
     return found
 
 
-def grade_notebook(path):
+def grade_notebook(path, timeout=CELL_TIMEOUT):
     """Execute the notebook at path and return one CheckResult per check cell."""
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    died = ""
+    died, timed_out = "", set()
+
+    def note_timeout(cell, cell_index, execute_reply):
+        if execute_reply and execute_reply["content"].get("ename") == TIMED_OUT:
+            timed_out.add(cell_index)
+
     try:
-        # A student's endless loop is interrupted and counts as that cell's error.
-        run(nb, path.parent, allow_errors=True, interrupt_on_timeout=True)
+        # A cell over its time is interrupted (the kernel stays up for the next one).
+        run(nb, path.parent, allow_errors=True, timeout=timeout, interrupt_on_timeout=True,
+            error_on_timeout={"ename": TIMED_OUT, "evalue": timeout_hint(timeout), "traceback": []},
+            on_cell_executed=note_timeout)
     except DeadKernelError as e:
         died = f"not run: kernel died ({e})"
 
@@ -66,7 +87,7 @@ def grade_notebook(path):
             continue
         first_line = next((s for s in cell.source.splitlines() if s.strip()), "")
         name = check_name(cell.source) or first_line.strip()
-        error = short_error(cell)
+        error = timeout_hint(timeout) if index in timed_out else short_error(cell)
         if not error and cell.get("execution_count") is None:
             error = died or "not run"
         results.append(CheckResult(index, name, not error, error, score_line(cell)))
