@@ -126,3 +126,13 @@ def test_run_benchmark_validates_arguments():
     with pytest.raises(ValueError, match="prompts: got 1 for 2 specs"):
         asyncio.run(run_benchmark("http://127.0.0.1:1", [RequestSpec(0, 2, 2)] * 2,
                                   prompts=[[1, 2]]))
+
+
+def test_error_events_and_rejections_count_as_errors(engine):
+    """A request the server refuses (an unsupported parameter: 400 naming it) is an error
+    of the benchmark, never a completed request."""
+    specs = [RequestSpec(0.0, 4, 3), RequestSpec(0.0, 4, 3)]
+    result = _with_server(engine, lambda url: run_benchmark(
+        url, specs, progress=False, extra_body={"frequency_penalty": 0.5}))
+    assert result["errors"] == 2 and result["completed"] == 0
+    assert all("frequency_penalty" in r["error"] for r in result["requests"])

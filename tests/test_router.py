@@ -3,17 +3,21 @@
 import asyncio
 import json
 import random
+import threading
 import time
 
 import aiohttp
+import openai
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tinyserve.serving.client import iter_sse
-from tinyserve.serving.router import build_router_app, compare_policies_async, shared_prefix_runs
+from tinyserve.serving.router import (RouterConfig, build_router_app, compare_policies_async,
+                                      shared_prefix_runs)
 from tinyserve.sim.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
                                RoundRobin, make_routing_policy)
-from tinyserve.serving.processes import free_port, launch_servers
+from tinyserve.serving.processes import ServerProcess, free_port, launch_servers
 
 # ---- pure policies ----------------------------------------------------------------
 
@@ -217,7 +221,8 @@ def test_router_bad_gateway_when_replica_is_down():
         async with s.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
             return r.status, await r.json()
     status, body = _run_router([f"http://127.0.0.1:{free_port()}"], "round_robin", go)
-    assert status == 502 and "failed" in body["error"]["message"]
+    assert status == 502 and "could be reached" in body["error"]["message"]
+    assert body["error"]["type"] == "bad_gateway"
 
 
 def test_cache_aware_about_doubles_prefix_hit_rate(replicas):
@@ -234,3 +239,202 @@ def test_cache_aware_about_doubles_prefix_hit_rate(replicas):
     assert rr["errors"] == ca["errors"] == 0
     assert rr["completed"] == ca["completed"] == 36
     assert ca["prefix_cache_hit_rate"] >= 1.75 * rr["prefix_cache_hit_rate"] > 0
+
+
+# ---- failover: health probes, retries, timeouts, a replica killed mid-stream -------------
+
+REPLICA_ARGS = ["serve", "--model", "tiny", "--threads", "1"]
+FAST = RouterConfig(health_interval=0.2, health_timeout=1.0, unhealthy_after=1, healthy_after=1,
+                    read_timeout=30.0)
+
+
+class BackgroundRouter:
+    """A router on its own event-loop thread (blocking clients such as the openai SDK)."""
+
+    def __init__(self, replicas, policy="round_robin", config=FAST):
+        self.app = build_router_app(replicas, policy, config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = TestServer(self.app, host="127.0.0.1")
+        kwargs = {k: v for k, v in config.runner_kwargs().items() if k != "handler_cancellation"}
+        self._run(self.server.start_server(**kwargs))
+        self.url = f"http://127.0.0.1:{self.server.port}"
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def close(self):
+        self._run(self.server.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def _health(url):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                return r.status, await r.json()
+    return asyncio.run(main())
+
+
+def _wait_health(url, want, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = _health(url)
+        if [r["healthy"] for r in body["replicas"]] == want:
+            return status, body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.05)
+
+
+async def _events(s, url, body, until=None):
+    """Stream through the router: (status, replica, parsed events, saw [DONE]); ``until``
+    (an asyncio.Event) is set after the third event."""
+    events, done = [], False
+    async with s.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+        replica = int(r.headers["X-Tinyserve-Replica"])
+        async for data in iter_sse(r):
+            if data == "[DONE]":
+                done = True
+                break
+            events.append(json.loads(data))
+            if until is not None and len(events) == 3:
+                until.set()
+    return r.status, replica, events, done
+
+
+def test_a_replica_killed_mid_stream(tmp_path):
+    procs = launch_servers(2, "tiny", ["--threads", "1"])
+    router = BackgroundRouter([p.url for p in procs])
+    try:
+        body = {"prompt": [10, 11, 12], "max_tokens": 450, "ignore_eos": True, "temperature": 0}
+
+        async def cut_streams():
+            async with aiohttp.ClientSession() as s:
+                started = [asyncio.Event() for _ in range(4)]
+                tasks = [asyncio.create_task(_events(s, router.url, body, e)) for e in started]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                procs[0].process.kill()                 # no SIGTERM: the replica just dies
+                procs[0].process.wait()
+                return await asyncio.gather(*tasks)
+        results = asyncio.run(cut_streams())
+        on = {0: [r for r in results if r[1] == 0], 1: [r for r in results if r[1] == 1]}
+        assert len(on[0]) == len(on[1]) == 2            # round robin
+        for status, _, events, done in on[0]:
+            # HTTP 200 was sent long before; the stream must not look complete.
+            assert status == 200 and done
+            assert "error" in events[-1] and events[-1]["error"]["type"] == "bad_gateway"
+            assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+        for status, _, events, done in on[1]:
+            assert status == 200 and done and len(events) == 450
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+        # Ejected: /health says so, every request goes to the live replica, and
+        # /v1/models answers although replica 0 (the one it used to ask) is down.
+        status, health = _wait_health(router.url, [False, True])
+        assert status == 200 and health["status"] == "degraded" and health["num_healthy"] == 1
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        for _ in range(6):
+            out = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3)
+            assert out.choices[0].finish_reason == "length"
+        assert client.models.list().data[0].id == "tiny"
+
+        # Back on the same port: re-admitted.
+        procs[0] = ServerProcess(REPLICA_ARGS, port=procs[0].port).wait()
+        status, health = _wait_health(router.url, [True, True])
+        assert health["status"] == "ok" and health["replicas"][0]["ejections"] == 1
+
+        # What the openai SDK sees when its replica dies mid-stream: an exception, never a
+        # short answer with finish_reason None.
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=[10, 11, 12], max_tokens=450, stream=True,
+            extra_body={"ignore_eos": True})
+        victim = int(raw.headers["X-Tinyserve-Replica"])
+        stream, seen = raw.parse(), 0
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            for _ in stream:
+                seen += 1
+                if seen == 3:
+                    procs[victim].process.kill()
+        assert 3 <= seen < 450
+    finally:
+        router.close()
+        for p in procs:
+            p.stop()
+
+
+def test_a_connect_failure_is_retried_on_another_replica(replicas):
+    dead = f"http://127.0.0.1:{free_port()}"
+    # Slow probes: the dead replica is still "healthy" when the first request picks it.
+    config = RouterConfig(health_interval=60, unhealthy_after=2)
+    router = BackgroundRouter([dead, replicas[0]], "round_robin", config)
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        for _ in range(4):
+            out = client.completions.create(model="tiny", prompt=[4, 5, 6], max_tokens=2)
+            assert out.choices[0].finish_reason == "length"
+        status, health = _health(router.url)
+        assert [r["healthy"] for r in health["replicas"]] == [False, True]
+        assert health["replicas"][0]["ejections"] == 1
+
+        async def metrics():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(router.url + "/metrics") as r:
+                    return await r.text()
+        assert "tinyserve_router:request_retries_total 1" in asyncio.run(metrics())
+    finally:
+        router.close()
+
+
+def test_upstream_read_timeout():
+    """A replica that accepts and then says nothing: a 504 before any byte, an error event
+    after some."""
+    release = asyncio.Event()
+
+    async def silent(request):
+        body = await request.json()
+        if not body.get("stream"):
+            await release.wait()
+            return web.json_response({})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(2):
+            await response.write(b'data: {"choices": [{"index": 0, "text": "x", '
+                                 b'"finish_reason": null}]}\n\n')
+        await release.wait()
+        return response
+
+    async def ok(request):
+        return web.json_response({"status": "ok"})
+
+    async def main():
+        fake = web.Application()
+        fake.router.add_post("/v1/completions", silent)
+        fake.router.add_get("/health", ok)
+        upstream = TestServer(fake, host="127.0.0.1")
+        await upstream.start_server()
+        router = TestServer(build_router_app([str(upstream.make_url("")).rstrip("/")], "round_robin",
+                                             RouterConfig(read_timeout=0.5)), host="127.0.0.1")
+        await router.start_server()
+        url = str(router.make_url("")).rstrip("/")
+        try:
+            async with aiohttp.ClientSession() as s:
+                t0 = time.monotonic()
+                async with s.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
+                    whole = (r.status, await r.json(), time.monotonic() - t0)
+                t0 = time.monotonic()
+                status, _, events, done = await _events(s, url, {"prompt": "hi"})
+                streamed = (status, events, done, time.monotonic() - t0)
+        finally:
+            release.set()
+            await router.close()
+            await upstream.close()
+        return whole, streamed
+
+    whole, streamed = asyncio.run(main())
+    assert whole[0] == 504 and whole[1]["error"]["type"] == "gateway_timeout" and whole[2] < 5
+    status, events, done, seconds = streamed
+    assert status == 200 and done and seconds < 5
+    assert len(events) == 3 and "sent nothing" in events[-1]["error"]["message"]

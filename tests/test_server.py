@@ -261,9 +261,34 @@ BAD_BODIES = [
     (json.dumps({"prompt": "hi", "top_p": 0}).encode(), "top_p"),
     (json.dumps({"prompt": "hi", "top_k": 0}).encode(), "top_k"),
     (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), "stream"),
-    (json.dumps({"prompt": "hi", "n": 2}).encode(), "n"),
+    (json.dumps({"prompt": "hi", "n": 99}).encode(), "n"),
     (json.dumps({"prompt": "hi", "stop_token_ids": ["x"]}).encode(), "stop_token_ids"),
+    (b'{"prompt": "hi", "temperature": NaN}', None),                     # not JSON
+    (json.dumps({"prompt": "hi", "max_tokens": 10**30}).encode(), "max_tokens"),   # > context
+    (json.dumps({"prompt": [5] * 10, "max_tokens": 503}).encode(), "max_tokens"),  # 513 > 512
+    (json.dumps({"prompt": "hi", "seed": "7"}).encode(), "seed"),
+    (json.dumps({"prompt": "hi", "stop": [""]}).encode(), "stop"),
+    (json.dumps({"prompt": "hi", "stop": ["a"] * 17}).encode(), "stop"),
+    (json.dumps({"prompt": "hi", "logprobs": 21}).encode(), "logprobs"),
+    (json.dumps({"prompt": "hi", "top_logprobs": 2}).encode(), "top_logprobs"),  # chat only
+    # Parameters we do not implement: a 400 naming them, never a silent 200.
+    (json.dumps({"prompt": "hi", "echo": True}).encode(), "echo"),
+    (json.dumps({"prompt": "hi", "best_of": 2}).encode(), "best_of"),
+    (json.dumps({"prompt": "hi", "suffix": "!"}).encode(), "suffix"),
+    (json.dumps({"prompt": "hi", "frequency_penalty": 0.5}).encode(), "frequency_penalty"),
+    (json.dumps({"prompt": "hi", "presence_penalty": -1}).encode(), "presence_penalty"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"5": 10}}).encode(), "logit_bias"),
+    (json.dumps({"prompt": "hi", "tools": [{"type": "function",
+                                            "function": {"name": "f"}}]}).encode(), "tools"),
+    (json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}).encode(),
+     "response_format"),
+    (json.dumps({"prompt": "hi", "guided_json": {}}).encode(), "guided_json"),    # unknown
 ]
+
+# Not implemented either, but at the value that means "off": served.
+NEUTRAL_BODIES = [{"frequency_penalty": 0}, {"presence_penalty": 0.0}, {"echo": False},
+                  {"best_of": 1}, {"logit_bias": {}}, {"tools": []}, {"user": "u1"},
+                  {"response_format": {"type": "text"}}, {"tool_choice": "none"}]
 
 
 def test_bad_bodies_get_400_and_the_server_keeps_serving(app_server):
@@ -279,8 +304,18 @@ def test_bad_bodies_get_400_and_the_server_keeps_serving(app_server):
                     assert body["error"]["type"] == "invalid_request_error"
                     assert body["error"]["param"] == param, (raw, body)
                     assert body["error"]["message"]
+            for extra in NEUTRAL_BODIES:
+                async with s.post(url + "/v1/completions",
+                                  json={"prompt": "hi", "max_tokens": 1, **extra}) as r:
+                    assert r.status == 200, (extra, await r.text())
             async with s.post(url + "/v1/chat/completions", json={"messages": []}) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+            for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 3}, "logprobs"),
+                                 ({"tools": [{"type": "function"}]}, "tools")):
+                async with s.post(url + "/v1/chat/completions",
+                                  json={"messages": [{"role": "user", "content": "hi"}],
+                                        **extra}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == param
             async with s.post(url + "/v1/completions", json={"prompt": "hi", "model": "gpt"}) as r:
                 assert r.status == 404 and (await r.json())["error"]["param"] == "model"
             async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as r:
@@ -300,6 +335,16 @@ def test_parse_request_errors_name_the_field():
                       chat=True, model_name="m")
     parsed = parse_request({"prompt": [[1, 2, 3]], "temperature": 0, "seed": 3}, False, "m")
     assert parsed.prompt == [1, 2, 3] and parsed.params.seed == 3 and parsed.params.greedy
+    # Seeds of any size are reduced into torch's 64 bits; tiny temperatures are greedy.
+    parsed = parse_request({"prompt": "x", "temperature": 1e-300, "seed": 2**64 + 3}, False, "m")
+    assert parsed.params.seed == 3 and parsed.params.greedy
+    with pytest.raises(BadRequest) as info:
+        parse_request({"prompt": "x" * 101}, chat=False, model_name="m", max_prompt_chars=100)
+    assert info.value.param == "prompt"
+    with pytest.raises(BadRequest) as info:
+        parse_request({"messages": [{"role": "user", "content": "x" * 101}]}, chat=True,
+                      model_name="m", max_prompt_chars=100)
+    assert info.value.param == "messages"
 
 
 def test_render_chat_template():

@@ -29,12 +29,13 @@ import operator
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable, Mapping
 
 from tokenizers import AddedToken, Tokenizer, processors
 
 from tinyserve.chat_template import read_chat_template, render_chat_template
-from tinyserve.tokenizer import pending_start
+from tinyserve.tokenizer import StreamDetokenizer
 
 # The attributes transformers passes to chat templates (its `special_tokens_map`).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token",
@@ -129,21 +130,13 @@ def parse_decoder(decoder: dict | None) -> DecoderModel:
 
 # ---- Streams (used by tinyserve.tokenizer.StreamDetokenizer through `stream_decoder()`) ---
 
-class _ByteStream:
-    """Byte-level tokens: hold back only the bytes of an unfinished UTF-8 character."""
+class _ByteStream(StreamDetokenizer):
+    """Byte-level tokens: StreamDetokenizer's own byte path (only the bytes of an
+    unfinished UTF-8 character wait). It is handed nothing but `token_bytes`, so it
+    does not ask this tokenizer for a stream decoder again."""
 
     def __init__(self, tok: "HFTokenizer"):
-        self._tok, self.pending = tok, b""
-
-    def push(self, token_id: int) -> str:
-        data = self.pending + self._tok.token_bytes(token_id)
-        cut = pending_start(data)
-        self.pending = data[cut:]
-        return data[:cut].decode("utf-8", errors="replace")
-
-    def flush(self) -> str:
-        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
-        return text
+        super().__init__(SimpleNamespace(token_bytes=tok.token_bytes))
 
 
 class _PieceStream:
@@ -280,6 +273,11 @@ class HFTokenizer:
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces")) and (
             type(self._tok.model).__name__ != "BPE" or bool(config.get(force)))
         self._bytes_cache: dict[int, bytes] = {}
+        # An upper bound on the characters of text one token covers (the longest token
+        # string: a byte-level token has one character per byte, "<0x0A>" covers one).
+        # A normalizer may shorten text (NFC composes up to 4 characters into one), so
+        # a server allows for that before it rejects a prompt by its length.
+        self.max_token_chars = max(1, max(len(t) for t in self._tok.get_vocab(with_added_tokens=True)))
 
     # -------------------------------------------------------------- loading
     def _add_config_tokens(self, config: Mapping) -> None:

@@ -10,12 +10,34 @@ Status machine::
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by
+# 1e-300 overflows to inf and the softmax to NaN, and the limit of temperature -> 0 is argmax.
+SAMPLING_EPS = 1e-5
+# Seeds are reduced modulo 2**64 (torch.Generator takes 64 bits), so any integer is accepted.
+SEED_MODULUS = 2**64
+MAX_LOGPROBS = 20                  # OpenAI's top_logprobs limit
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
 class SamplingParams:
-    """Field names and meanings as in vLLM's ``SamplingParams``."""
+    """Field names and meanings as in vLLM's ``SamplingParams``.
+
+    ``temperature`` below ``SAMPLING_EPS`` is greedy. ``seed`` is reduced modulo
+    2**64. ``logprobs``: None for none, else how many of the most likely tokens to
+    report with each sampled token (0: the sampled token's own log-probability only).
+    """
     max_tokens: int = 16
     temperature: float = 0.0          # 0 = greedy
     top_p: float = 1.0
@@ -23,27 +45,33 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 (no limit) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            self.seed %= SEED_MODULUS
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) for t in self.stop_token_ids):
+            if not all(_is_int(t) for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +102,10 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None     # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    # With sampling_params.logprobs set: per output token, (its log-probability,
+    # [(token id, log-probability), ...] of the most likely tokens), from the model's
+    # distribution before temperature, top-k and top-p.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # Prompt tokens found in the prefix cache at first admission, and at every
     # admission (a preempted request is admitted again and may hit the cache).
     num_cached_tokens: int = 0

@@ -40,6 +40,15 @@ SPLIT_PATTERN = (
     r"|\s+(?!\S)|\s+"  # whitespace; the last space before a word joins the word
 )
 
+# Bounded work per chunk and a bounded cache. Only whitespace runs are uncapped in the
+# pattern above (a 10 MB run of spaces is one chunk): BPE works on pieces of at most
+# MAX_CHUNK_CHARS characters of a chunk (the shipped vocabulary has no whitespace merges,
+# so this changes no ids), and only chunks of at most CACHED_CHUNK_CHARS characters are
+# cached, at most CACHE_ENTRIES of them: about 1 KB each at worst, so ~16 MB in all.
+MAX_CHUNK_CHARS = 64
+CACHED_CHUNK_CHARS = 32
+CACHE_ENTRIES = 1 << 14
+
 _FORMAT = "tinyserve-byte-bpe"
 _FORMAT_VERSION = 1
 
@@ -155,7 +164,11 @@ class ByteBPETokenizer:
         self.vocab_size = len(self._vocab)
 
         # Per-instance cache: real text repeats the same chunks over and over.
-        self._encode_chunk = functools.lru_cache(maxsize=1 << 16)(self._bpe_chunk)
+        self._encode_chunk = functools.lru_cache(maxsize=CACHE_ENTRIES)(self._bpe_chunk)
+        # At most this many characters of text become one token (its bytes bound them):
+        # a text of n characters has at least n / max_token_chars tokens, which a server
+        # checks before tokenizing.
+        self.max_token_chars = max(1, max(len(b) for b in vocab))
 
     def clear_cache(self) -> None:
         """Forget encoded chunks (to time encoding on text as if never seen)."""
@@ -203,8 +216,13 @@ class ByteBPETokenizer:
             if self.bos_token_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no <|bos|> token")
             ids.append(self.bos_token_id)
-        for chunk in self._split.findall(text):
-            ids.extend(self._encode_chunk(chunk))
+        for match in self._split.finditer(text):
+            chunk = match.group()
+            if len(chunk) <= CACHED_CHUNK_CHARS:
+                ids.extend(self._encode_chunk(chunk))
+            else:               # rare and maybe huge: bounded pieces, never cached
+                for start in range(0, len(chunk), MAX_CHUNK_CHARS):
+                    ids.extend(self._bpe_chunk(chunk[start:start + MAX_CHUNK_CHARS]))
         return ids
 
     # ------------------------------------------------------------------ decode
@@ -351,7 +369,7 @@ def utf8_lead_info(b: int) -> tuple[int, int, int]:
     return 0, 0, 0
 
 
-def pending_start(data: bytes) -> int:
+def _pending_start(data: bytes) -> int:
     """Where an unfinished-but-still-possible character starts at the end of `data`.
 
     Returns len(data) when nothing needs to wait. Everything before the
@@ -400,7 +418,7 @@ class StreamDetokenizer:
         if self._custom is not None:
             return self._keep(self._custom.push(token_id))
         data = self._pending + self.tokenizer.token_bytes(token_id)
-        cut = pending_start(data)
+        cut = _pending_start(data)
         self._pending = data[cut:]
         piece = data[:cut].decode("utf-8", errors="replace")
         if piece:

@@ -1,13 +1,23 @@
 """The engine thread: one dedicated thread owns an ``LLMEngine`` and does nothing but ``step()``.
 
-The aiohttp event loop (``tinyserve.serving.app``) parses requests and writes
-responses; ``EngineLoop`` runs the engine on its own thread. They meet in a
-thread-safe inbox (add / abort / call commands) going in, and
-``loop.call_soon_threadsafe`` pushing each step's new tokens (``Delta``) into a
-per-request ``asyncio.Queue`` coming out. The engine thread sleeps on a
-condition variable while it has nothing to do, so an idle server uses no CPU.
-Because only the engine thread touches the engine, the scheduler and the block
-manager need no locks.
+The aiohttp event loop (``tinyserve.serving.app``) parses requests, tokenizes
+them on a worker thread and writes responses; ``EngineLoop`` runs the engine on
+its own thread. They meet in a thread-safe inbox (add / abort / call commands)
+going in, and ``loop.call_soon_threadsafe`` pushing each step's new tokens
+(``Delta``) into the handler's ``asyncio.Queue`` coming out. The engine thread
+sleeps on a condition variable while it has nothing to do, so an idle server
+uses no CPU. Because only the engine thread touches the engine, the scheduler
+and the block manager need no locks.
+
+One request's failure is that request's alone. If sampling raises for a request
+(the executor records it, ``ModelExecutor.sample_failures``), that request is
+aborted and its handler gets an ``EngineError``; everyone else in the step gets
+their token. If a step fails as a whole, the requests it was running fail and
+the waiting ones are kept; the engine goes on.
+
+Stop strings are applied here, on the text each step adds (``StopStrings``): a
+request that hits one finishes with ``finish_reason="stop"`` and is aborted at
+once, which frees its KV blocks.
 
 A client that disconnects aborts its request: aiohttp cancels the handler,
 whose ``finally`` posts an abort that the engine thread applies before its
@@ -18,47 +28,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tinyserve.engine import LLMEngine, RequestOutput
-from tinyserve.request import SamplingParams
+from tinyserve.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
+from tinyserve.request import Request, RequestStatus, SamplingParams
+from tinyserve.serving.protocol import StopStrings
+
+log = logging.getLogger("tinyserve.serving")
 
 
 @dataclass
 class Delta:
     """What one engine step produced for one request (sent to its handler)."""
+    request_id: str
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # (log-probability, [(id, log-probability), ...]) per token, when asked for.
+    logprobs: list | None = None
 
 
 class EngineError(Exception):
-    """The engine thread failed while running a request."""
+    """The engine failed while running a request (``request_id``; None: all of them)."""
 
-
-class RequestHandle:
-    """A handler's end of one request: its id and the queue its ``Delta``s arrive on."""
-
-    def __init__(self, request_id: str, queue: asyncio.Queue):
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
         self.request_id = request_id
-        self.queue = queue
-        self.finished = False
 
-    async def next_delta(self) -> Delta:
-        """The next step's ``Delta``; raises the ``EngineError`` if the engine failed."""
-        item = await self.queue.get()
-        if isinstance(item, EngineError):
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    stop: StopStrings | None
 
 
 class EngineLoop:
@@ -70,14 +81,21 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        # request_id -> (event loop, queue); touched only by the engine thread.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Counters for /metrics (written by the engine thread only).
+        # request_id -> where its deltas go; touched only by the engine thread.
+        self._streams: dict[str, _Stream] = {}
+        # Sampling failures are isolated per request (see the module docstring).
+        if hasattr(getattr(engine, "executor", None), "sample_failures"):
+            engine.executor.sample_failures = {}
+        # Counters and histograms for /metrics (written by the engine thread only).
         self.num_steps = 0
         self.request_success_total = 0
         self.request_abort_total = 0
+        self.request_failure_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
 
     # -- lifecycle --
     def start(self) -> None:
@@ -102,19 +120,22 @@ class EngineLoop:
             self._wake.notify()
 
     # -- called from the event loop --
-    async def add(self, prompt, params: SamplingParams) -> RequestHandle:
-        """Queue a request; raise ``ValueError`` if the engine rejects it."""
+    async def add(self, prompt: Sequence[int] | str, params: SamplingParams, queue: asyncio.Queue,
+                  stop: Sequence[str] = (), arrival_time: float | None = None) -> str:
+        """Queue a request whose ``Delta``s (or ``EngineError``) go to ``queue``; return its
+        id. Raises ``ValueError`` if the engine rejects it. ``arrival_time`` (on the
+        engine's clock) is when the server received it: TTFT counts from there."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
-        queue: asyncio.Queue = asyncio.Queue()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        self._post(("add", request_id, prompt, params, loop, queue, accepted))
+        stops = StopStrings(list(stop)) if stop else None
+        self._post(("add", request_id, prompt, params, loop, queue, stops, arrival_time, accepted))
         try:
             await accepted
         except asyncio.CancelledError:      # the client left before the engine took it
             self.abort(request_id)
             raise
-        return RequestHandle(request_id, queue)
+        return request_id
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -143,23 +164,28 @@ class EngineLoop:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as exc:            # keep serving: fail what was running
-                self._fail_all(exc)
+            except Exception as exc:            # keep serving: fail what this step ran
+                self._fail_step(exc)
                 continue
             self.num_steps += 1
-            self._deliver(outputs)
+            self._deliver(outputs, self._take_sample_failures())
         self._fail_all(EngineError("server is shutting down"))
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, loop, queue, accepted = command
+            _, request_id, prompt, params, loop, queue, stops, arrival, accepted = command
             try:
-                self.engine.add_request(prompt, params, request_id=request_id)
+                self.engine.add_request(prompt, params, request_id=request_id,
+                                        arrival_time=arrival)
             except ValueError as exc:
                 settle_future(loop, accepted, exc=exc)
                 return
-            self._streams[request_id] = (loop, queue)
+            except Exception as exc:            # never leave a handler waiting
+                log.exception("adding request %s failed", request_id)
+                settle_future(loop, accepted, exc=EngineError(f"{type(exc).__name__}: {exc}"))
+                return
+            self._streams[request_id] = _Stream(loop, queue, stops)
             settle_future(loop, accepted, result=request_id)
         elif kind == "abort":
             request_id = command[1]
@@ -174,33 +200,102 @@ class EngineLoop:
             else:
                 settle_future(loop, done, result=result)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _take_sample_failures(self) -> dict[str, Exception]:
+        executor = getattr(self.engine, "executor", None)
+        failures = getattr(executor, "sample_failures", None)
+        if not failures:
+            return {}
+        executor.sample_failures = {}
+        return failures
+
+    def _deliver(self, outputs: list[RequestOutput], failures: dict[str, Exception]) -> None:
         # One call_soon_threadsafe per event loop per step, not one per token.
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            rid = out.request_id
+            if rid in failures:
+                self._fail_request(rid, failures[rid], batches)
+                continue
+            stream = self._streams.get(rid)
             self.generation_tokens_total += len(out.new_token_ids)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-                self.prompt_tokens_total += len(out.prompt_token_ids)
-                if out.finish_reason in ("stop", "length"):
-                    self.request_success_total += 1
+            text, finished, reason = out.new_text, out.finished, out.finish_reason
+            if stream is not None and stream.stop is not None:
+                text, hit = stream.stop.push(text)
+                if hit and not finished:
+                    finished, reason = True, "stop"
+                    self.engine.abort(rid)      # frees its blocks now
+                elif hit:
+                    reason = "stop"
+                elif finished:
+                    text += stream.stop.flush()
+            if finished:
+                self._streams.pop(rid, None)
+                self._finished(out.request, reason)
             if stream is None:
                 continue
-            loop, queue = stream
-            delta = Delta(out.new_text, list(out.new_token_ids), out.finished, out.finish_reason,
-                          len(out.prompt_token_ids), out.num_output_tokens)
-            batches.setdefault(loop, []).append((queue, delta))
+            request = out.request
+            logprobs = (request.logprobs[-len(out.new_token_ids):]
+                        if request.sampling_params.logprobs is not None and out.new_token_ids
+                        else None)
+            delta = Delta(rid, text, list(out.new_token_ids), finished, reason,
+                          len(out.prompt_token_ids), out.num_output_tokens, logprobs)
+            batches.setdefault(stream.loop, []).append((stream.queue, delta))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):      # the loop has closed (shutdown)
                 loop.call_soon_threadsafe(_put_all, items)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id, (loop, queue) in list(self._streams.items()):
+    def _finished(self, request: Request, reason: str | None) -> None:
+        self.prompt_tokens_total += request.num_prompt_tokens
+        if reason not in ("stop", "length"):
+            return
+        self.request_success_total += 1
+        end = request.finished_time if request.finished_time is not None else self.engine.clock()
+        if request.first_token_time is None:
+            return
+        ttft = request.first_token_time - request.arrival_time
+        e2e = end - request.arrival_time
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        n = len(request.output_token_ids)
+        if n > 1:
+            self.tpot.observe((e2e - ttft) / (n - 1))
+
+    def _fail_request(self, request_id: str, exc: Exception, batches: dict) -> None:
+        """This request alone fails: aborted (blocks freed), its handler gets an EngineError."""
+        self.request_failure_total += 1
+        log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+        with contextlib.suppress(Exception):
+            self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            error = EngineError(f"request failed: {type(exc).__name__}: {exc}", request_id)
+            batches.setdefault(stream.loop, []).append((stream.queue, error))
+
+    def _fail_step(self, exc: Exception) -> None:
+        """A step raised outside per-request sampling: fail the requests it was running
+        (their state is unknown), keep the waiting ones, and go on."""
+        log.error("engine step failed; failing the requests it ran", exc_info=exc)
+        engine, batches = self.engine, {}
+        for rid in list(self._streams):
+            request = engine.requests.get(rid)
+            if request is not None and request.status in (RequestStatus.WAITING,
+                                                          RequestStatus.PREEMPTED):
+                continue
+            if request is not None and request.is_finished:    # retired by the failed step
+                engine.requests.pop(rid, None)
+                getattr(engine, "_detokenizers", {}).pop(rid, None)
+            self._fail_request(rid, exc, batches)
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, exc: EngineError) -> None:
+        for request_id, stream in list(self._streams.items()):
             with contextlib.suppress(Exception):
                 self.engine.abort(request_id)
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(queue.put_nowait, EngineError(str(exc)))
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                                 EngineError(str(exc), request_id))
         self._streams.clear()
 
 

@@ -10,6 +10,7 @@ reading what a running server exports.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -17,6 +18,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+
+
+def setup_logging() -> None:
+    """One line per event on stderr for the ``tinyserve.*`` loggers (a server process)."""
+    logger = logging.getLogger("tinyserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,8 +2,14 @@
 
 Parsing and validating request bodies into engine arguments (``parse_request``;
 ``BadRequest`` names the field at fault), the error JSON (``error_response``),
-the chat template, and the pure builders of response bodies and streamed
-chunks (server-sent events ``data: {json}\\n\\n`` ending with ``SSE_DONE``).
+the chat template, stop strings (``StopStrings``), log-probabilities in both of
+OpenAI's formats, and the pure builders of response bodies and streamed chunks
+(server-sent events ``data: {json}\\n\\n`` ending with ``SSE_DONE``).
+
+Every parameter is either implemented, accepted only at the value that means
+"off" (``frequency_penalty: 0``, ``echo: false``, ...), or rejected with a 400
+that names it: a request is never answered as if a parameter had been applied
+when it was not.
 
 Chat: a checkpoint that ships a ``chat_template`` (``tokenizer_config.json``)
 is prompted through it, as ``transformers``' ``apply_chat_template`` renders it
@@ -15,17 +21,22 @@ text) every message becomes ``"{role}: {content}\\n"`` and the prompt ends with
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiohttp import web
 
-from tinyserve.request import SamplingParams
+from tinyserve.request import MAX_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 64
+MAX_N = 16                       # choices per request
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256             # characters per stop string
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -50,7 +61,7 @@ def chat_renderer(tokenizer) -> Callable[[list[dict]], str | list[int]]:
 # ---- errors ------------------------------------------------------------------------
 
 class BadRequest(Exception):
-    """An invalid request body: becomes HTTP 400 with OpenAI's error JSON."""
+    """An invalid request body: becomes HTTP 400 (or ``status``) with OpenAI's error JSON."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error"):
@@ -58,7 +69,10 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
     def response(self) -> web.Response:
-        return error_response(self.message, self.param, self.status, self.kind)
+        response = error_response(self.message, self.param, self.status, self.kind)
+        if self.status in (408, 413):       # the body was not read: the connection is spent
+            response.force_close()
+        return response
 
 
 def error_body(message: str, param: str | None = None, status: int = 400,
@@ -68,8 +82,64 @@ def error_body(message: str, param: str | None = None, status: int = 400,
 
 
 def error_response(message: str, param: str | None = None, status: int = 400,
-                   kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(error_body(message, param, status, kind), status=status)
+                   kind: str = "invalid_request_error", headers: dict | None = None) -> web.Response:
+    return web.json_response(error_body(message, param, status, kind), status=status,
+                             headers=headers)
+
+
+def error_event(message: str, status: int = 500, kind: str = "internal_server_error") -> bytes:
+    """A streamed error (what the ``openai`` SDK raises ``APIError`` on), then ``[DONE]``."""
+    return sse(error_body(message, None, status, kind)) + SSE_DONE
+
+
+ERROR_KINDS = {404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+               413: "invalid_request_error"}
+
+
+def json_errors(max_request_bytes: int, log: logging.Logger):
+    """aiohttp middleware: every error body is OpenAI's error JSON, aiohttp's own
+    404/405/413 included, and a 500 (logged with its traceback) for a bug."""
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            headers = {k: v for k, v in exc.headers.items()
+                       if k.lower() not in ("content-type", "content-length")}
+            message = (f"request body too large (over {max_request_bytes} bytes)"
+                       if exc.status == 413 else f"{exc.reason}: {request.method} {request.path}")
+            return error_response(message, None, exc.status,
+                                  ERROR_KINDS.get(exc.status, "invalid_request_error"), headers)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            log.exception("internal error serving %s %s", request.method, request.path)
+            return error_response("internal server error", None, 500, "internal_server_error")
+    return middleware
+
+
+if hasattr(asyncio, "timeout"):            # Python 3.11+: no inner task, no reference cycle
+    _timeout = asyncio.timeout
+else:                                       # pragma: no cover (Python 3.10)
+    from async_timeout import timeout as _timeout
+
+
+async def read_body(request: web.Request, timeout: float, max_bytes: int) -> bytes:
+    """The whole body within ``timeout`` seconds (else 408) and ``max_bytes`` (else 413)."""
+    # The BadRequest is raised outside the except clauses: chained to aiohttp's exception,
+    # it would keep that exception's frames (and the partly read body) alive until a GC.
+    problem = None
+    try:
+        async with _timeout(timeout):
+            return await request.read()
+    except asyncio.TimeoutError:
+        problem = BadRequest(f"request body not received within {timeout:g} s", None, 408,
+                             "timeout_error")
+    except web.HTTPRequestEntityTooLarge:
+        problem = BadRequest(f"request body too large (over {max_bytes} bytes)", None, 413)
+    raise problem
 
 
 def param_of(message: str) -> str | None:
@@ -79,15 +149,23 @@ def param_of(message: str) -> str | None:
     if message.startswith("request"):       # prompt + max_tokens do not fit the cache
         return "max_tokens"
     first = message.split(" ", 1)[0]
-    return first if first in ("max_tokens", "temperature", "top_p", "top_k", "seed") else None
+    return first if first in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                              "logprobs") else None
 
 
 # ---- request validation ------------------------------------------------------------
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def decode_json(raw: bytes) -> Any:
-    """A request body's JSON; ``BadRequest`` if it is not JSON."""
+    """A request body's JSON; ``BadRequest`` if it is not JSON (NaN and Infinity are
+    not), or nested too deeply to decode."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
 
@@ -109,43 +187,126 @@ def _get(body: dict, name: str, check: Callable[[Any], bool], what: str, default
     if value is None:
         return default
     if not check(value):
-        raise BadRequest(f"{name} must be {what}, got {value!r}", name)
+        raise BadRequest(f"{name} must be {what}, got {_short(value)}", name)
     return value
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# Parameters implemented (both endpoints, then each one's own).
+SUPPORTED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+             "stop_token_ids", "ignore_eos", "stream", "stream_options", "n", "logprobs",
+             "return_token_ids", "user"}
+SUPPORTED_COMPLETION = {"prompt", "best_of", "echo", "suffix"}
+SUPPORTED_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
+# Not implemented, but accepted at the value that means "off" (what leaving them out
+# means): anything else gets a 400 that names the parameter.
+NEUTRAL = {
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "min_tokens": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),   # only matters with tools
+    "response_format": lambda v: v == {"type": "text"},
+    "store": lambda v: v is False,
+    "metadata": lambda v: isinstance(v, dict),               # labels, no effect on output
+    "skip_special_tokens": lambda v: v is True,
+    "include_stop_str_in_output": lambda v: v is False,
+}
+
+
+def check_parameters(body: dict, chat: bool) -> None:
+    """400 naming the first parameter that is neither implemented nor at its "off" value."""
+    own = SUPPORTED_CHAT if chat else SUPPORTED_COMPLETION
+    for name, value in body.items():
+        if name in SUPPORTED or name in own or value is None:
+            continue
+        check = NEUTRAL.get(name)
+        if check is None:
+            raise BadRequest(f"{name} is not supported by this server (tinyserve)", name)
+        try:
+            ok = check(value)
+        except Exception:
+            ok = False
+        if not ok:
+            raise BadRequest(f"{name}={_short(value, 40)} is not supported by this server "
+                             "(tinyserve); leave it out or send its default", name)
 
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]
+    prompt: str | list[int] | None          # /v1/completions
     params: SamplingParams
     stream: bool
     include_usage: bool
     return_token_ids: bool
     chat: bool
+    messages: list[dict] | None = None      # /v1/chat/completions
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    max_tokens_given: bool = True           # False: the default, cut to what fits
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s params: choice i > 0 of a seeded request draws with seed + i."""
+        p = self.params
+        if index == 0 or p.seed is None:
+            return p
+        return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                              top_k=p.top_k, seed=p.seed + index, ignore_eos=p.ignore_eos,
+                              stop_token_ids=p.stop_token_ids, logprobs=p.logprobs)
 
 
-def parse_request(body: Any, chat: bool, model_name: str,
-                  render: Callable[[list[dict]], str | list[int]] = render_chat) -> ParsedRequest:
-    """Validate an OpenAI request body; raise ``BadRequest`` naming the field.
-    ``render`` turns chat messages into the prompt (``chat_renderer``)."""
+def parse_request(body: Any, chat: bool, model_name: str, max_prompt_chars: int | None = None,
+                  max_model_len: int | None = None) -> ParsedRequest:
+    """Validate an OpenAI request body, without tokenizing; raise ``BadRequest`` naming
+    the field. A text prompt (or messages) longer than ``max_prompt_chars`` characters,
+    or a token-id prompt of ``max_model_len`` ids or more, is rejected here, before any
+    tokenizer sees it."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if model is not None and model != model_name:
-        raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}",
-                         "model", status=404, kind="not_found_error")
-    prompt = render(parse_messages(body.get("messages"))) if chat else _parse_prompt(body)
-    params = _parse_sampling(body, chat)
+        raise BadRequest(f"model {_short(model)} does not exist; this server serves "
+                         f"{model_name!r}", "model", status=404, kind="not_found_error")
+    check_parameters(body, chat)
+    if chat:
+        messages, prompt = parse_messages(body.get("messages")), None
+        _check_chars("messages", sum(len(m["content"]) for m in messages), max_prompt_chars)
+    else:
+        messages, prompt = None, _parse_prompt(body)
+        if isinstance(prompt, str):
+            _check_chars("prompt", len(prompt), max_prompt_chars)
+        elif max_model_len is not None and len(prompt) >= max_model_len:
+            raise BadRequest(f"prompt is {len(prompt)} tokens; this model's maximum context "
+                             f"length is {max_model_len} tokens, which leaves no room for "
+                             "output", "prompt")
+    params, given = _parse_sampling(body, chat)
     stream = _get(body, "stream", _is_bool, "a boolean", False)
-    n = _get(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise BadRequest(f"n must be 1 (one completion per request), got {n!r}", "n")
+    n = _get(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]", 1)
+    if not chat:
+        _get(body, "best_of", lambda v: v == n, f"equal to n ({n}): best_of is not supported", n)
+        _get(body, "echo", lambda v: v is False, "false: echo is not supported", False)
+        _get(body, "suffix", lambda v: v == "", "empty: suffix is not supported", "")
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise BadRequest(f"stream_options.include_usage must be a boolean, got {include_usage!r}",
                          "stream_options")
     return_ids = _get(body, "return_token_ids", _is_bool, "a boolean", False)
-    return ParsedRequest(prompt, params, stream, include_usage and stream, return_ids, chat)
+    return ParsedRequest(prompt, params, stream, include_usage and stream, return_ids, chat,
+                         messages=messages, n=n, stop=_parse_stop(body), max_tokens_given=given)
+
+
+def _check_chars(field_: str, chars: int, limit: int | None) -> None:
+    if limit is not None and chars > limit:
+        raise BadRequest(f"{field_} is {chars} characters: too long for the model's context "
+                         f"(at most {limit} characters are accepted)", field_)
 
 
 def _parse_prompt(body: dict) -> str | list[int]:
@@ -168,27 +329,59 @@ def _parse_prompt(body: dict) -> str | list[int]:
     return prompt
 
 
-def _parse_sampling(body: dict, chat: bool) -> SamplingParams:
+def _parse_stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
+            or len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops)):
+        raise BadRequest(f"stop must be a non-empty string or a list of at most "
+                         f"{MAX_STOP_STRINGS} of them, each at most {MAX_STOP_CHARS} "
+                         f"characters; got {_short(stop)}", "stop")
+    return list(dict.fromkeys(stops))
+
+
+def _parse_logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: ``logprobs`` is how many top tokens to list (0-20). Chat: ``logprobs``
+    is a boolean and ``top_logprobs`` (0-20) the count, which needs ``logprobs``."""
+    what = f"an integer in [0, {MAX_LOGPROBS}]"
+    top_ok = lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS  # noqa: E731
+    if not chat:
+        return _get(body, "logprobs", top_ok, what, None)
+    on = _get(body, "logprobs", _is_bool, "a boolean", False)
+    top = _get(body, "top_logprobs", top_ok, what, None)
+    if top is not None and not on:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def _parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool]:
+    """The sampling params, and whether ``max_tokens`` was given (not the default)."""
     max_tokens = body.get("max_tokens")
     if max_tokens is None and chat:
         max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
+    given = max_tokens is not None
+    if not given:
         max_tokens = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS
     if not _is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+        raise BadRequest(f"max_tokens must be an integer >= 1, got {_short(max_tokens)}",
+                         "max_tokens")
     temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2,
                        "a number in [0, 2]", 1.0)
     top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
     top_k = _get(body, "top_k", lambda v: _is_int(v) and (v == -1 or v >= 1),
                  "-1 (no limit) or an integer >= 1", -1)
+    # Any integer: SamplingParams reduces it modulo 2**64 (torch's generator is 64-bit).
     seed = _get(body, "seed", _is_int, "an integer", None)
     stop_ids = _get(body, "stop_token_ids",
                     lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
                     "a list of integers", None)
     ignore_eos = _get(body, "ignore_eos", _is_bool, "a boolean", False)
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
-                          top_p=float(top_p), top_k=top_k, seed=seed, ignore_eos=ignore_eos,
-                          stop_token_ids=stop_ids)
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
+                            top_p=float(top_p), top_k=top_k, seed=seed, ignore_eos=ignore_eos,
+                            stop_token_ids=stop_ids, logprobs=_parse_logprobs(body, chat))
+    return params, given
 
 
 def parse_messages(messages: Any) -> list[dict]:
@@ -210,6 +403,112 @@ def parse_messages(messages: Any) -> list[dict]:
     return out
 
 
+def check_context(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int) -> None:
+    """As vLLM: a prompt longer than the context is a 400 (``prompt``), and so is an
+    explicit ``max_tokens`` that does not fit after it (``max_tokens``). The default
+    ``max_tokens`` is cut to what fits instead."""
+    field_ = "messages" if parsed.chat else "prompt"
+    if num_prompt_tokens >= max_model_len:
+        raise BadRequest(f"{field_} is {num_prompt_tokens} tokens; this model's maximum "
+                         f"context length is {max_model_len} tokens, which leaves no room "
+                         "for output", field_)
+    room = max_model_len - num_prompt_tokens
+    p = parsed.params
+    if p.max_tokens > room:
+        if parsed.max_tokens_given:
+            raise BadRequest(f"this model's maximum context length is {max_model_len} tokens; "
+                             f"you asked for {num_prompt_tokens} in the {field_} and "
+                             f"{p.max_tokens} for the completion (max_tokens)", "max_tokens")
+        parsed.params = SamplingParams(max_tokens=room, temperature=p.temperature, top_p=p.top_p,
+                                       top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
+                                       stop_token_ids=p.stop_token_ids, logprobs=p.logprobs)
+
+
+# ---- stop strings ------------------------------------------------------------------
+
+class StopStrings:
+    """Cuts streamed text at the first stop string, never letting part of one out.
+
+    ``push(text)`` returns ``(text safe to send now, stopped)``. Text that could be
+    the start of a stop string is held back until the next piece decides it; the
+    stop string itself is never sent (as in OpenAI's API). ``flush()`` releases
+    what is held when the stream ends without a stop.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = 0            # the longest end of buf that begins some stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+# ---- log-probabilities -------------------------------------------------------------
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token as text: its characters, a special token's name, or, for bytes that are
+    not whole UTF-8 characters (a part of one), ``bytes:\\xe4\\xbd`` (so that the
+    alternatives listed for one position stay distinct)."""
+    data = tokenizer.token_bytes(token_id)
+    if not data and tokenizer.is_special(token_id):
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class LogprobFormatter:
+    """``logprobs`` of one choice in OpenAI's format: the completions one (tokens,
+    token_logprobs, top_logprobs, text_offset) or the chat one (content: [{token,
+    logprob, bytes, top_logprobs}]). Entries come from ``Request.logprobs``."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+
+    def format(self, token_ids: list[int], entries: list) -> dict:
+        tok = self.tokenizer
+        if self.chat:
+            def item(t, lp):
+                return {"token": token_text(tok, t), "logprob": lp,
+                        "bytes": list(tok.token_bytes(t))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                                for t, (lp, top) in zip(token_ids, entries)]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, (lp, top) in zip(token_ids, entries):
+            text = token_text(tok, t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({token_text(tok, i): v for i, v in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    @staticmethod
+    def join(parts: list[dict], chat: bool) -> dict:
+        """Several ``format`` results as one (a whole, non-streamed response)."""
+        if chat:
+            return {"content": [c for p in parts for c in p["content"]]}
+        return {k: [x for p in parts for x in p[k]]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 # ---- responses ---------------------------------------------------------------------
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -217,32 +516,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, created: int, model: str, chat: bool, text: str,
-                    finish: str | None, token_ids: list[int] | None, usage_: dict) -> dict:
-    """A whole (non-streamed) response."""
+def whole_choice(index: int, chat: bool, text: str, finish: str | None,
+                 token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+    """One choice of a whole (non-streamed) response."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if token_ids is not None:
         choice["token_ids"] = token_ids
+    return choice
+
+
+def completion_body(rid: str, created: int, model: str, chat: bool, choices: list[dict],
+                    usage_: dict) -> dict:
+    """A whole (non-streamed) response."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage_}
+            "created": created, "model": model, "choices": choices, "usage": usage_}
 
 
-def completion_chunk(rid: str, created: int, model: str, chat: bool, text: str,
-                     finish: str | None, token_ids: list[int] | None, first: bool) -> dict:
-    """One streamed chunk (the first chat chunk also carries the role)."""
+def chunk_choice(index: int, chat: bool, text: str, finish: str | None,
+                 token_ids: list[int] | None, first: bool, logprobs: dict | None = None) -> dict:
+    """One choice of a streamed chunk (a choice's first chat chunk also carries the role)."""
     if chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if token_ids is not None:
         choice["token_ids"] = token_ids
+    return choice
+
+
+def completion_chunk(rid: str, created: int, model: str, chat: bool, choices: list[dict]) -> dict:
+    """One streamed chunk."""
     return {"id": rid, "object": _chunk_object(chat), "created": created, "model": model,
-            "choices": [choice]}
+            "choices": choices}
 
 
 def usage_chunk(rid: str, created: int, model: str, chat: bool, usage_: dict) -> dict:
