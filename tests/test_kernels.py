@@ -9,13 +9,12 @@ non-power-of-two widths and head dims, ragged contexts, shuffled block tables.
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tinyserve import kernels as K
-from tinyserve.model import Attention, ModelConfig, RMSNorm
+from tinyserve.model import RMSNorm, decode_attention
 
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="Triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 is only right on a GPU")
@@ -197,14 +196,11 @@ def test_paged_decode_attention(case, dtype):
 
 @needs_triton
 def test_paged_decode_attention_int64_tables_match_the_models_decode():
-    # The model keeps int64 block tables and context lengths; its _decode is the
-    # path the fused kernel replaces.
-    config = ModelConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)  # D = 24
+    # The model keeps int64 block tables and context lengths; its torch decode_attention
+    # is the path the fused kernel replaces.
     q, k_cache, v_cache, tables, lens, scale = paged_case(
-        torch.float32, 3, 4, 2, config.head_dim, 16, [33, 7, 64], index_dtype=torch.int64)
-    meta = SimpleNamespace(num_decodes=3, context_lens=lens.tolist(), block_tables=tables,
-                           decode_context_lens=lens)
-    model_out = Attention(config, 0).to(DEVICE)._decode(q, k_cache, v_cache, meta)
+        torch.float32, 3, 4, 2, 24, 16, [33, 7, 64], index_dtype=torch.int64)
+    model_out = decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()))
     out = K.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale)
     close(out, model_out, torch.float32)
     close(K.paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale), model_out,

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from tinyserve.checkpoint import saved_dtype
+from tinyserve.compiled_step import CAPTURE_SIZES, capture_sizes_for
 from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
 from tinyserve.executor import ModelExecutor
 from tinyserve.hf_tokenizer import load_checkpoint_tokenizer
@@ -65,7 +66,8 @@ class LLMEngine:
                  config: SchedulerConfig, num_kv_blocks: int, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter,
                  enable_prefix_caching: bool = False,
-                 step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW):
+                 step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW,
+                 enforce_eager: bool = True, capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model: vocab_size {model.config.vocab_size} is smaller than the "
                              f"tokenizer's {tokenizer.vocab_size}")
@@ -74,8 +76,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching)
         # A model may have more output rows than its tokenizer has tokens (Qwen pads its
         # vocabulary): never sample an id that cannot be detokenized.
-        self.executor = ModelExecutor(model, num_kv_blocks, config.block_size, seed=seed,
-                                      vocab_size=tokenizer.vocab_size)
+        self.executor = ModelExecutor(
+            model, num_kv_blocks, config.block_size, seed=seed, vocab_size=tokenizer.vocab_size,
+            enforce_eager=enforce_eager,
+            max_blocks_per_seq=blocks_for(config.max_model_len, config.block_size),
+            capture_sizes=capture_sizes_for(config.max_num_seqs, capture_sizes))
         self.core = EngineCore(config, self.block_manager, self.executor, clock,
                                step_stats_window=step_stats_window)
         self.scheduler = self.core.scheduler
@@ -198,6 +203,9 @@ class LLM:
     ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
     (in Triton's interpreter when there is no GPU: correct, but slow).
     ``step_stats_window``: how many recent steps ``engine.step_stats`` keeps.
+    ``enforce_eager=False`` compiles the decode step (``torch.compile``, one graph per
+    batch bucket up to ``max_num_seqs``, paid once at start; ``compiled_step.py``);
+    ``None`` picks the device's default (``default_enforce_eager``).
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -208,7 +216,10 @@ class LLM:
                  dtype: str = "float32", device: str | None = None, kernels: str = "torch",
                  kv_cache_memory: int = 512 * 2**20,
                  step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW,
+                 enforce_eager: bool | None = None,
                  clock: Callable[[], float] = time.perf_counter):
+        if enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be True, False or None, got {enforce_eager!r}")
         if dtype not in DTYPES and dtype != AUTO_DTYPE:
             raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of "
                              f"{sorted(DTYPES) + [AUTO_DTYPE]}")
@@ -235,7 +246,9 @@ class LLM:
             raise ValueError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
         self.engine = LLMEngine(self.model, tokenizer, config, num_kv_blocks, seed=seed, clock=clock,
                                 enable_prefix_caching=enable_prefix_caching,
-                                step_stats_window=step_stats_window)
+                                step_stats_window=step_stats_window,
+                                enforce_eager=(default_enforce_eager(net) if enforce_eager is None
+                                               else enforce_eager))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -277,6 +290,14 @@ class LLM:
         path = self.model.save_pretrained(path, self.tokenizer)
         self.tokenizer.save(Path(path) / TOKENIZER_FILE)
         return path
+
+
+def default_enforce_eager(model: LlamaForServing) -> bool:
+    """Eager everywhere for now. On a CPU the compiled step costs seconds of compile per
+    bucket at every start (freezing bypasses Inductor's on-disk cache) and one packed
+    copy of the weights per bucket; notebooks that show the weight-read floor ask for
+    it. On a GPU the CUDA-graph path has not been measured on hardware yet."""
+    return True
 
 
 def _progress(total: int, use_tqdm: bool | None):

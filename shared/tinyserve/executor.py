@@ -12,24 +12,47 @@ import time
 
 import torch
 
+from tinyserve.compiled_step import CAPTURE_SIZES, compile_decode
+from tinyserve.kv_cache import blocks_for
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
-from tinyserve.request import SamplingParams
+from tinyserve.request import SEED_MODULUS, SamplingParams
 from tinyserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class ModelExecutor:
+    """``enforce_eager=False`` runs pure decode steps of up to ``max(capture_sizes)``
+    requests through compiled graphs (``compiled_step``); everything else, and every
+    step where compiling is not possible, runs eagerly."""
+
     def __init__(self, model: LlamaForServing, num_blocks: int, block_size: int, seed: int = 0,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, enforce_eager: bool = True,
+                 max_blocks_per_seq: int | None = None,
+                 capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        self.kv_cache = KVCache(model.config, num_blocks, block_size, self.dtype, self.device)
+        # Compiled graphs pad their batches; the padding writes to one extra block that the
+        # block manager never hands out.
+        scratch_blocks = 0 if enforce_eager else 1
+        self.kv_cache = KVCache(model.config, num_blocks + scratch_blocks, block_size, self.dtype,
+                                self.device)
         self.seed = seed
         # Sample among the first vocab_size ids only (the tokenizer's; None: all rows).
         self.vocab_size = vocab_size
         self._generators: dict[str, torch.Generator] = {}
         self.last_prepare_time = 0.0
+        self.graphs = None
+        if not enforce_eager:
+            width = max_blocks_per_seq or blocks_for(model.config.max_position_embeddings,
+                                                     block_size)
+            self.graphs = compile_decode(model, self.kv_cache, width, capture_sizes,
+                                         scratch_slot=num_blocks * block_size)
+
+    @property
+    def enforce_eager(self) -> bool:
+        """False only while compiled graphs are in use (a failed compile falls back)."""
+        return self.graphs is None
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the sampled token of each request that emits one."""
@@ -52,6 +75,12 @@ class ModelExecutor:
                 sample_rows.append(len(ids) - 1)
                 sample_items.append(item)
 
+        bucket = self._bucket(items)
+        if bucket is not None:
+            logits = self.graphs.run(ids, positions, slots, [i.block_table for i in items],
+                                     [i.request.num_computed_tokens + 1 for i in items], bucket)
+            self.last_prepare_time = time.perf_counter() - started
+            return self._sample(logits, sample_items)
         meta = self._metadata(items, slots)
         dev = self.device
         inputs = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
@@ -60,6 +89,12 @@ class ModelExecutor:
         self.last_prepare_time = time.perf_counter() - started
         logits = self.model(inputs[0], inputs[1], meta, self.kv_cache, inputs[2])
         return self._sample(logits, sample_items)
+
+    def _bucket(self, items: list[ScheduledRequest]) -> int | None:
+        """The compiled graph a step runs on: only pure decode steps that fit one."""
+        if self.graphs is None or not all(i.is_decode and i.samples for i in items):
+            return None
+        return self.graphs.bucket(len(items))
 
     def _metadata(self, items: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
         max_blocks = max(len(item.block_table) for item in items)
@@ -79,26 +114,45 @@ class ModelExecutor:
 
     # ---- sampling --------------------------------------------------------------
 
+    # None (offline use): a request whose sampling raises fails the step. A dict (the
+    # server sets one, serving.engine_loop): the exception is recorded under the
+    # request's id, the request gets its greedy token as a placeholder so the step
+    # completes for everyone, and the caller fails that request alone.
+    sample_failures: dict[str, Exception] | None = None
+
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> dict[str, int]:
         logits = logits[:, :self.vocab_size]
         greedy = logits.argmax(dim=-1).tolist()
         result = {}
         for row, item in enumerate(items):
             request = item.request
-            params = request.sampling_params
-            if params.greedy:
+            try:
+                result[request.request_id] = self._sample_one(logits[row], request, greedy[row])
+            except Exception as exc:
+                if self.sample_failures is None:
+                    raise
+                self.sample_failures[request.request_id] = exc
                 result[request.request_id] = greedy[row]
-            else:
-                gen = self._generator(request.request_id, params)
-                result[request.request_id] = sample_token(logits[row], params, gen)
         return result
+
+    def _sample_one(self, logits: torch.Tensor, request, greedy_token: int) -> int:
+        params = request.sampling_params
+        if params.greedy:
+            token = greedy_token
+        else:
+            token = sample_token(logits, params, self._generator(request.request_id, params))
+        if params.logprobs is not None:
+            request.logprobs.append(token_logprobs(logits, token, params.logprobs))
+        return token
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         # One generator per request, so a request's random draws do not depend on
         # which other requests share its batches.
         if request_id not in self._generators:
             seed = params.seed if params.seed is not None else stable_seed(self.seed, request_id)
-            self._generators[request_id] = torch.Generator(device="cpu").manual_seed(seed)
+            # torch takes 64 bits: any integer seed is reduced into range.
+            self._generators[request_id] = torch.Generator(device="cpu").manual_seed(
+                seed % SEED_MODULUS)
         return self._generators[request_id]
 
     def release(self, request_id: str) -> None:
@@ -118,7 +172,21 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"sampling at temperature {params.temperature!r} gave non-finite "
+                         "probabilities")
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of ``token`` and the ``top`` most likely (id, log-probability)
+    pairs, under the model's own distribution (before temperature, top-k, top-p)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = float(logp[token])
+    if top == 0:
+        return chosen, []
+    values, ids = torch.topk(logp, min(top, logp.numel()))
+    return chosen, list(zip(ids.tolist(), values.tolist()))
 
 
 def stable_seed(engine_seed: int, request_id: str) -> int:

@@ -117,6 +117,19 @@ def _cpu_clock():
     return sync, timed
 
 
+def read_bandwidth(device=None, mib: int = 1024, seconds: float = 1.0) -> float:
+    """Bytes/s of streaming ``mib`` MiB of fp32 through a ``sum``: reads only, like the
+    weights in a decode step (``measure_device``'s copy also writes)."""
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sync, timed = _gpu_clock(dev) if dev.type == "cuda" else _cpu_clock()
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=dev)
+    bandwidth = data.nbytes / _median_time(timed(lambda: data.sum()), sync, seconds)
+    del data
+    return bandwidth
+
+
 def _copy_bandwidth(dev, copy_mib: int, sync, timed, budget: float) -> float:
     """Bytes/s of ``dst.copy_(src)`` on ``copy_mib`` MiB of fp32 (read + write: ``2 x size``)."""
     import torch

@@ -135,6 +135,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [R, max_blocks] int64, padded with 0
     num_decodes: int
     decode_context_lens: torch.Tensor  # [num_decodes] int64, on the model's device
+    # A decode batch padded to a fixed bucket for a compiled graph (compiled_step.py):
+    # every row is a decode, padding rows sit at the end, and the Python lists above
+    # are not read (their values would become graph constants).
+    padded: bool = False
 
 
 class KVCache:
@@ -238,10 +242,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """Copy each request's blocks into a dense [R, max_blocks * block_size, H, D] tensor."""
-    blocks = cache[block_tables]                       # [R, max_blocks, bs, H, D]
-    r, nb, bs, h, d = blocks.shape
-    return blocks.reshape(r, nb * bs, h, d)
+    """Copy each request's blocks into a dense [R, max_blocks * block_size, H, D] tensor.
+
+    ``index_select`` on the flattened table, not ``cache[block_tables]``: the same copy,
+    at about half the cost for the small gathers of a decode step."""
+    r, nb = block_tables.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1))     # [R * max_blocks, bs, H, D]
+    return blocks.view(r, nb * cache.shape[1], *cache.shape[2:])
 
 
 class Attention(nn.Module):
@@ -270,55 +277,102 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if meta.padded:
+            # One opaque op for the cache write and the attention: a compiled graph
+            # keeps fixed shapes while the contexts grow every step (compiled_step.py).
+            out = torch.ops.tinyserve.padded_decode_attention(
+                q, k, v, kv_cache.k, kv_cache.v, self.layer_idx, meta.slot_mapping,
+                meta.block_tables, meta.decode_context_lens, ops["decode_attention"] is not None)
+        else:
+            out = self.attend(q, k, v, meta, kv_cache, ops)
+        return self.o_proj(out.reshape(t, -1))
 
+    def attend(self, q, k, v, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
+        """Write the new tokens' K and V to their cache slots, then attend: decodes in one
+        batched call, each prefill chunk causally over its own cached context."""
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
-
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and ops["decode_attention"] is not None:
-            out[:nd] = ops["decode_attention"](q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.decode_context_lens, self.head_dim ** -0.5)
-        elif nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        if nd:
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                        meta.decode_context_lens, max(meta.context_lens[:nd]),
+                                        ops["decode_attention"])
         start = nd
         for r in range(nd, len(meta.query_lens)):
             n, ctx = meta.query_lens[r], meta.context_lens[r]
             out[start:start + n] = self._prefill(q[start:start + n], k_cache, v_cache,
                                                  meta.block_tables[r], ctx)
             start += n
-        return self.o_proj(out.reshape(t, -1))
-
-    def _decode(self, q, k_cache, v_cache, meta):
-        """All single-token requests at once: pad their contexts, mask the padding."""
-        nd = meta.num_decodes
-        max_ctx = int(max(meta.context_lens[:nd]))
-        max_blocks = -(-max_ctx // k_cache.shape[1])
-        tables = meta.block_tables[:nd, :max_blocks]
-        keys = gather_kv(k_cache, tables)[:, :max_ctx].transpose(1, 2)    # [B, Hkv, S, D]
-        values = gather_kv(v_cache, tables)[:, :max_ctx].transpose(1, 2)
-        valid = torch.arange(max_ctx, device=q.device)[None, :] < meta.decode_context_lens[:, None]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
-                                           attn_mask=valid[:, None, None, :],
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        return o[:, :, 0, :]
+        return out
 
     def _prefill(self, q, k_cache, v_cache, table, ctx):
         """One request's chunk of n new tokens attends causally over its ctx cached tokens."""
-        n = q.shape[0]
+        n, h_kv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
         bs = k_cache.shape[1]
         table = table[: -(-ctx // bs)]
-        keys = k_cache[table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
-        values = v_cache[table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        keys = k_cache[table].reshape(-1, h_kv, d)[:ctx]
+        values = v_cache[table].reshape(-1, h_kv, d)[:ctx]
         query_pos = torch.arange(ctx - n, ctx, device=q.device)
         causal = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
                                            values.transpose(0, 1), attn_mask=causal,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(0, 1)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store each new token's K and V in its slot (block * block_size + offset)."""
+    h_kv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, kernel=None):
+    """Single-token requests at once, each over its own blocks: a fused kernel when given
+    (``kernel_ops``), else pad the contexts to ``max_ctx`` and mask the padding."""
+    scale = q.shape[-1] ** -0.5
+    if kernel is not None:
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
+    max_blocks = -(-max_ctx // k_cache.shape[1])
+    tables = block_tables[:, :max_blocks]
+    keys = gather_kv(k_cache, tables)[:, :max_ctx].transpose(1, 2)    # [B, Hkv, S, D]
+    values = gather_kv(v_cache, tables)[:, :max_ctx].transpose(1, 2)
+    valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                       attn_mask=valid[:, None, None, :],
+                                       enable_gqa=q.shape[1] != k_cache.shape[2])
+    return o[:, :, 0, :]
+
+
+@torch.library.custom_op("tinyserve::padded_decode_attention", mutates_args=("k_cache", "v_cache"))
+def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                            slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """``Attention.attend`` for a padded decode batch, run eagerly inside a compiled graph.
+
+    The graph has fixed shapes (the bucket's rows, the widest table); this op
+    attends over the contexts the rows actually have, which grow every step.
+    vLLM splits its graphs at attention for the same reason. Padding rows write
+    to a scratch slot and attend over one token: harmless, and their outputs
+    are dropped. Nothing here reads a tensor back to the host on a GPU, so the
+    op can sit inside a CUDA graph."""
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
+    write_kv(k_layer, v_layer, slot_mapping, k, v)
+    # The longest context bounds the padded attention: read it on a CPU; on a GPU that
+    # read would stall the stream, so the table's width bounds it instead.
+    max_ctx = (block_tables.shape[1] * k_layer.shape[1] if q.is_cuda
+               else int(context_lens.max()))
+    kernel = kernel_ops("triton")["decode_attention"] if use_kernel else None
+    return decode_attention(q, k_layer, v_layer, block_tables, context_lens, max_ctx, kernel)
+
+
+@padded_decode_attention.register_fake
+def _padded_decode_attention_shape(q, k, v, k_cache, v_cache, layer, slot_mapping,
+                                   block_tables, context_lens, use_kernel):
+    return torch.empty_like(q)
 
 
 class MLP(nn.Module):
@@ -417,9 +471,9 @@ class LlamaForServing(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Run the packed batch; return logits only for the rows in ``logits_indices``
-        (the last new token of each request that is due to sample)."""
+        (the last new token of each request that is due to sample), or for every row."""
         x = self.model.embed_tokens(input_ids)
         c = self.config
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
@@ -427,7 +481,9 @@ class LlamaForServing(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, meta, kv_cache, self.ops)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
-        x, _ = self.model.norm(x[logits_indices], residual[logits_indices], self.ops)
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.model.norm(x, residual, self.ops)
         return self.lm_head(x).float()
 
     # ---- Hugging Face format (checkpoint.py) -------------------------------------------

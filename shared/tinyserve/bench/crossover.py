@@ -35,6 +35,7 @@ fits) as JSON; notebook 04 plots such a file when it finds one in
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -49,6 +50,7 @@ import torch
 
 from tinyserve import hardware as hwm
 from tinyserve import measure
+from tinyserve.compiled_step import prepacked_linear
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLP_RATIO = 11008 / 4096          # Llama-7B's intermediate / hidden
@@ -142,10 +144,20 @@ class GemmStack:
     def release(self) -> None:
         self._ins, self._outs = {}, {}
 
-    def step_fn(self, batch: int):
+    def step_fn(self, batch: int, prepack: bool = False):
+        """One step at ``batch`` rows. ``prepack`` (CPU fp32): every weight packed once for
+        this batch, as a compiled engine's graph holds it (``compiled_step.prepacked_linear``;
+        a copy of the weights per call of step_fn), instead of re-packed on every call."""
         if not self._ins or next(iter(self._ins.values())).shape[0] < batch:
             self.reserve(batch)
-        pairs = [(self._ins[w.shape[0]][:batch], w, self._outs[w.shape[1]][:batch]) for w in self.weights]
+        xs = [self._ins[w.shape[0]][:batch] for w in self.weights]
+        packed = [prepacked_linear(w.t(), batch) for w in self.weights] if prepack else []
+        if packed and all(packed):
+            def step():
+                for x, layer in zip(xs, packed):
+                    layer(x)
+            return step
+        pairs = [(x, w, self._outs[w.shape[1]][:batch]) for x, w in zip(xs, self.weights)]
 
         def step():
             for x, w, out in pairs:
@@ -182,19 +194,24 @@ def _gpu_time(fn, repeats: int, use_graph: bool = True) -> float:
     return statistics.median(times)
 
 
-def sweep_gemm_stack(stack: GemmStack, batch_sizes, repeats: int = 3) -> list[float]:
+def sweep_gemm_stack(stack: GemmStack, batch_sizes, repeats: int = 3,
+                     prepack: bool = False) -> list[float]:
     """Seconds per step of ``stack`` at each batch size.
 
     GPU: median of CUDA-event timings, batch size after batch size. CPU: the
     sweep runs ``repeats`` rounds over all batch sizes and keeps each one's best
     time, so a burst of load from another process spoils one point of a round,
-    not a stretch of the curve.
+    not a stretch of the curve. ``prepack`` (CPU): weights packed for each batch
+    (see ``GemmStack.step_fn``); one batch size at a time, best of ``repeats``,
+    since every batch size holds its own packed copy.
     """
     sizes = [int(b) for b in batch_sizes]
     stack.reserve(max(sizes))
     with torch.inference_mode():
         if stack.device == "cuda":
             times = [_gpu_time(stack.step_fn(b), max(repeats, 5)) for b in sizes]
+        elif prepack:
+            times = [_best_cpu_time(stack.step_fn(b, prepack=True), repeats) for b in sizes]
         else:
             fns = [stack.step_fn(b) for b in sizes]
             for fn in fns:
@@ -210,25 +227,42 @@ def sweep_gemm_stack(stack: GemmStack, batch_sizes, repeats: int = 3) -> list[fl
     return times
 
 
+def _best_cpu_time(fn, repeats: int) -> float:
+    fn()                                                         # warm-up
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 # ---- (b) tinyserve's own model, through the engine -----------------------------------------
 
 def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_len: int = 4,
-                 seed: int = 0, dtype: str = "auto") -> tuple[list[float], dict]:
+                 seed: int = 0, dtype: str = "auto",
+                 enforce_eager: bool = True) -> tuple[list[float], dict]:
     """Median seconds of pure decode steps with B running requests, from ``engine.step_stats``.
 
     Returns the times and a description of the model (parameters and bytes read
-    per step: every weight except the embedding table, of which a step reads a few rows).
+    per step: every weight except the embedding table, of which a step reads a few
+    rows), with the compile seconds of each graph when ``enforce_eager=False``.
     """
     from tinyserve import LLM, SamplingParams
 
     top = int(max(batch_sizes))
+    started = time.perf_counter()
     llm = LLM(model, seed=seed, max_num_seqs=top, max_num_batched_tokens=max(256, top * prompt_len),
-              max_model_len=prompt_len + steps + 8, dtype=dtype)
+              max_model_len=prompt_len + steps + 8, dtype=dtype, enforce_eager=enforce_eager)
     engine = llm.engine
     read = [p for n, p in llm.model.named_parameters() if "embed_tokens" not in n]
+    graphs = engine.executor.graphs
     info = {"model": model, "num_parameters_read": int(sum(p.numel() for p in read)),
             "weight_bytes": int(sum(p.numel() * p.element_size() for p in read)),
-            "dtype": {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[read[0].dtype]}
+            "dtype": {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[read[0].dtype],
+            "enforce_eager": engine.executor.enforce_eager,
+            "start_s": time.perf_counter() - started,
+            "compile_s": {} if graphs is None else dict(graphs.compile_seconds)}
 
     def decode_step(batch: int) -> float:
         params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
@@ -293,7 +327,7 @@ def machine_info(device: str) -> dict:
 def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = None,
         engine_batch_sizes=None, engine_model: str | None = "cpu-bench", repeats: int = 3,
         engine_steps: int = 3, measure_seconds: float = 1.0, verbose: bool = True,
-        engine_dtype: str = "auto") -> dict:
+        engine_dtype: str = "auto", engine_enforce_eager: bool = True) -> dict:
     """Measure ceilings, sweep both curves, fit them; return the report (see ``REPORT_KEYS``)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     say = print if verbose else (lambda *a, **k: None)
@@ -307,7 +341,7 @@ def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = 
     say(f"GEMM stack: {cfg['num_layers']} layers of hidden {cfg['hidden']} in {cfg['dtype']}, "
         f"{stack.weight_bytes / 2**30:.2f} GiB of weights; batch sizes {batch_sizes[0]}..{batch_sizes[-1]}")
     t0 = time.perf_counter()
-    stack_times = sweep_gemm_stack(stack, batch_sizes, repeats)
+    stack_times = sweep_gemm_stack(stack, batch_sizes, repeats, prepack=not engine_enforce_eager)
     say(f"  swept in {time.perf_counter() - t0:.1f} s")
     curves = {"gemm_stack": {"batch_sizes": batch_sizes, "step_times_s": stack_times, **cfg,
                              "num_parameters": stack.num_parameters, "weight_bytes": stack.weight_bytes}}
@@ -320,7 +354,8 @@ def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = 
     if engine_model:
         eb = list(engine_batch_sizes or [b for b in default_batch_sizes("cpu") if b & (b - 1) == 0])
         t0 = time.perf_counter()
-        times, info = sweep_engine(eb, engine_model, steps=engine_steps, dtype=engine_dtype)
+        times, info = sweep_engine(eb, engine_model, steps=engine_steps, dtype=engine_dtype,
+                                   enforce_eager=engine_enforce_eager)
         say(f"engine ({engine_model}): swept in {time.perf_counter() - t0:.1f} s")
         curves["engine"] = {"batch_sizes": eb, "step_times_s": times, **info}
         fits["engine"] = knee_report(eb, times, hw, info["dtype"], info["weight_bytes"], lo)
@@ -375,13 +410,17 @@ def add_arguments(parser) -> None:
                         help="preset or checkpoint directory the engine sweep runs (default cpu-bench)")
     parser.add_argument("--dtype", default="auto",
                         help="the engine sweep's dtype: auto (the checkpoint's own), float32, bfloat16, float16")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-enforce-eager: the engine sweep runs compiled decode graphs, "
+                             "and the GEMM stack's weights are packed once per batch size (CPU)")
 
 
 def main(args) -> dict:
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     report = run(device, batch_sizes=default_batch_sizes(device, args.max_batch),
                  weight_gib=args.weight_gib, repeats=args.repeats,
-                 engine_model=None if args.no_engine else args.model, engine_dtype=args.dtype)
+                 engine_model=None if args.no_engine else args.model, engine_dtype=args.dtype,
+                 engine_enforce_eager=args.enforce_eager)
     if args.out:
         print(f"wrote {write_json(report, args.out)}")
     return report

@@ -42,9 +42,10 @@ def mixed_workload(num_requests: int, seed: int = 0, long_fraction: float = 0.05
     return prompts, params
 
 
-def run(batching: str, prompts, params, max_num_seqs: int, budget: int, seed: int):
+def run(batching: str, prompts, params, max_num_seqs: int, budget: int, seed: int,
+        enforce_eager: bool = True):
     llm = LLM("cpu-bench", seed=seed, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-              batching=batching)
+              batching=batching, enforce_eager=enforce_eager)
     llm.generate(prompts[:2], [SamplingParams(max_tokens=2)] * 2, use_tqdm=False)   # warm-up
     llm.engine.step_stats.clear()
     print(f"{batching} batching:")
@@ -52,10 +53,12 @@ def run(batching: str, prompts, params, max_num_seqs: int, budget: int, seed: in
     return outputs, llm.engine.step_stats
 
 
-def bookkeeping_share(batch: int, seed: int, steps: int = 12) -> tuple[float, float, float]:
+def bookkeeping_share(batch: int, seed: int, steps: int = 12,
+                      enforce_eager: bool = True) -> tuple[float, float, float]:
     """Decode steps with ``batch`` requests running: (step seconds, share spent in the
     scheduler and engine bookkeeping, share including packing the batch into tensors)."""
-    llm = LLM("cpu-bench", seed=seed, max_num_seqs=batch, max_num_batched_tokens=16 * batch)
+    llm = LLM("cpu-bench", seed=seed, max_num_seqs=batch, max_num_batched_tokens=16 * batch,
+              enforce_eager=enforce_eager)
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request([1 + i] * 16, params)
@@ -74,19 +77,24 @@ def main(argv=None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                        help="run eagerly; by default decode steps run compiled graphs "
+                             "(about a minute of compiling per engine the first time)")
     args = parser.parse_args(argv)
+    eager = args.enforce_eager
 
     prompts, params = mixed_workload(args.num_requests, args.seed)
     out_lens = [p.max_tokens for p in params]
     print(f"workload: {len(prompts)} requests, prompt {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, output {min(out_lens)}-{max(out_lens)} tokens "
           f"(mean {statistics.fmean(out_lens):.0f}); seats {args.max_num_seqs}, "
-          f"token budget {args.max_num_batched_tokens}\n")
+          f"token budget {args.max_num_batched_tokens}; "
+          f"{'eager' if eager else 'compiled decode steps (enforce_eager=False)'}\n")
 
     rows = {}
     for mode in ("static", "continuous"):
         outputs, steps = run(mode, prompts, params, args.max_num_seqs,
-                             args.max_num_batched_tokens, args.seed)
+                             args.max_num_batched_tokens, args.seed, eager)
         rows[mode] = summarize([o.metrics for o in outputs])
         rows[mode]["steps"] = len(steps)
 
@@ -106,7 +114,7 @@ def main(argv=None) -> None:
     ratio = rows["continuous"]["output_throughput"] / rows["static"]["output_throughput"]
     print(f"\ncontinuous / static output throughput: {ratio:.2f}x (measured in this run)")
 
-    step, sched, total = bookkeeping_share(32, args.seed)
+    step, sched, total = bookkeeping_share(32, args.seed, enforce_eager=eager)
     print(f"decode step at batch 32: {step * 1e3:.1f} ms, of which scheduler + bookkeeping "
           f"{sched:.2%}; with packing the batch into tensors {total:.2%}")
 

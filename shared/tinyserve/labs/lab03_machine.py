@@ -14,6 +14,9 @@ from tinyserve.labs.lab03 import best_hinge_at, student_call, student_number
 
 __all__ = ["check_my_machine"]
 
+# How close the measured knee must come to the predicted crossover to call it a match.
+PAYOFF_FACTOR = 1.5
+
 
 def _sweep_matmul_stack(batch_sizes, hidden, layers, budget_s, device="cpu"):
     """Median step time of ``layers`` chained [B, hidden] @ [hidden, hidden] fp32 matmuls, per batch size.
@@ -29,14 +32,20 @@ def _sweep_matmul_stack(batch_sizes, hidden, layers, budget_s, device="cpu"):
 
     import torch
 
+    from tinyserve.compiled_step import prepacked_linear
+
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(hidden, hidden, generator=gen).div_(hidden ** 0.5).to(device) for _ in range(layers)]
     xs = {b: torch.randn(b, hidden, generator=gen).to(device) for b in batch_sizes}
+    # Each weight packed once per batch size, as a compiled engine does (compiled_step):
+    # an eager small-batch matmul re-packs the weight on every call and never sits flat.
+    layers_for = {b: [prepacked_linear(w, b) or (lambda x, w=w: x @ w.T) for w in weights]
+                  for b in batch_sizes}
 
     def step(x):
         t0 = time.perf_counter()
-        for w in weights:
-            x = x @ w
+        for layer in layers_for[x.shape[0]]:
+            x = layer(x)
         return time.perf_counter() - t0
 
     start = time.perf_counter()
@@ -166,5 +175,11 @@ def _report_machine(spec, b, t, floor_s, knee, predicted, ref, flat, start):
     print(f"预测的交叉点 / predicted crossover: {predicted:.1f}；你拟合的拐点 / your knee: {knee:.1f}"
           + ("（平的：拐点在扫描范围之外 / flat: beyond the sweep）" if flat else "")
           + f"；参考 fit_knee / reference: {ref.knee:.1f}；拐点/预测 = {ratio:.2f}")
+    if 1 / PAYOFF_FACTOR <= ratio <= PAYOFF_FACTOR:
+        print(f"✓ 拐点落在预测交叉点的 {PAYOFF_FACTOR} 倍以内：屋顶线在你的机器上成立 "
+              f"/ the knee is within {PAYOFF_FACTOR}x of the predicted crossover")
+    else:
+        print(f"· 拐点与预测相差 {max(ratio, 1 / ratio):.1f} 倍（超出 {PAYOFF_FACTOR} 倍），原因见第 6 节 "
+              f"/ the knee is {max(ratio, 1 / ratio):.1f}x off the prediction, see section 6")
     print(f"✓ 在你的机器上测完了：{len(b)} 个批大小，用时 {time.perf_counter() - start:.1f} s "
           f"/ measured your machine: {len(b)} batch sizes")

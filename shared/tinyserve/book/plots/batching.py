@@ -14,15 +14,19 @@ from tinyserve.book.plots.common import ensure_axes, finish
 
 
 def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None,
-                            title="Decode step time vs batch size"):
+                            title="Decode step time vs batch size", measured_label="measured",
+                            also_measured=None):
     """Measured decode-step time (points) and predictions (lines), log batch axis.
 
-    ``predicted_ms`` maps a label (e.g. "max(read, compute)") to one value per batch size.
+    ``predicted_ms`` maps a label (e.g. "max(read, compute)") to one value per batch size;
+    ``also_measured`` maps a label to a second measured curve (grey squares).
     """
     ax = ensure_axes(ax, (5, 3.5))
     for (label, values), style in zip((predicted_ms or {}).items(), ("--", ":", "-.", "-")):
         ax.plot(batch_sizes, values, style, lw=1.8, label=f"predicted: {label}")
-    ax.plot(batch_sizes, measured_ms, "o-", color="black", lw=1.2, label="measured")
+    for label, values in (also_measured or {}).items():
+        ax.plot(batch_sizes, values, "s-", color="0.55", lw=1.0, ms=4, label=label)
+    ax.plot(batch_sizes, measured_ms, "o-", color="black", lw=1.2, label=measured_label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
     ax.set_ylim(bottom=0)
@@ -30,7 +34,7 @@ def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None
 
 
 def plot_per_request_time(batch_sizes, measured_ms, predicted_ms=None, ax=None,
-                          title="Cost per request per token"):
+                          title="Cost per request per token", measured_label="measured"):
     """Step time / B against B on log-log axes, with a 1/B guide through the first point."""
     ax = ensure_axes(ax, (5, 3.5))
     b = np.asarray(batch_sizes, dtype=float)
@@ -38,7 +42,7 @@ def plot_per_request_time(batch_sizes, measured_ms, predicted_ms=None, ax=None,
     ax.plot(b, per[0] / b, color="0.7", lw=4, alpha=0.6, label="1/B (perfect sharing)")
     for (label, values), style in zip((predicted_ms or {}).items(), ("--", ":", "-.", "-")):
         ax.plot(b, np.asarray(values, dtype=float) / b, style, lw=1.8, label=f"predicted: {label}")
-    ax.plot(b, per, "o-", color="black", lw=1.2, label="measured")
+    ax.plot(b, per, "o-", color="black", lw=1.2, label=measured_label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(batch_sizes, [str(x) for x in batch_sizes])

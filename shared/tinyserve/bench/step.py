@@ -1,0 +1,132 @@
+"""The decode step against the weight-read floor, eager and compiled:
+``python -m tinyserve.bench step [--model cpu-bench] [--out FILE]``.
+
+A decode step reads every weight once, so its floor is ``weight bytes / read
+bandwidth``, flat in the batch until compute catches up at the ceilings ratio
+``peak FLOP/s / bandwidth x bytes per parameter / 2``. One run measures the
+ceilings (a ``sum`` and a copy for bandwidth, a square matmul for the peak),
+then pure decode steps of the engine at B = 1 ... 64, eagerly and through the
+compiled graphs (``enforce_eager=False``), and prints each step as a multiple
+of the floor, the knee fitted on the compiled curve against the ceilings
+ratio, and what limits the curve past the knee. The compile cost is measured
+in two fresh processes sharing one new Inductor cache: cold, then warm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+from tinyserve import measure
+from tinyserve.bench.crossover import knee_report, machine_info, predicted_crossover, sweep_engine, write_json
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+# A fresh interpreter starting a compiled engine: what a notebook pays at start.
+PROBE = """\
+import json, time
+started = time.perf_counter()
+from tinyserve import LLM
+llm = LLM({model!r}, max_num_seqs={top}, max_model_len=16, enforce_eager=False)
+graphs = llm.engine.executor.graphs
+print(json.dumps({{"start_s": time.perf_counter() - started,
+                   "compiled": graphs is not None,
+                   "compile_s": sum(graphs.compile_seconds.values()) if graphs else None}}))
+"""
+
+
+def compile_cost(model: str, top: int, cache_dir: str) -> dict:
+    """Start seconds of a compiled engine in a new process: with ``cache_dir`` empty (cold),
+    then again with what the first run left there (warm)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    runs = {}
+    for name in ("cold", "warm"):
+        out = subprocess.run([sys.executable, "-c", PROBE.format(model=model, top=top)], env=env,
+                             capture_output=True, text=True, check=True)
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    return runs
+
+
+def run(model: str = "cpu-bench", batch_sizes=BATCH_SIZES, steps: int = 5,
+        measure_compile: bool = True, verbose: bool = True) -> dict:
+    say = print if verbose else (lambda *a, **k: None)
+    batch_sizes = list(batch_sizes)
+    hw = measure.measure_device("cpu")
+    read = measure.read_bandwidth("cpu")
+    best = max(read, hw.memory_bandwidth)
+    say(f"read bandwidth: sum {read / 1e9:.1f} GB/s, copy (read + write) "
+        f"{hw.memory_bandwidth / 1e9:.1f} GB/s; fp32 matmul {hw.flops['fp32'] / 1e9:.0f} GFLOP/s")
+    report = {"benchmark": "step", "machine": machine_info("cpu"), "model": model,
+              "read_bandwidth": read, "copy_bandwidth": hw.memory_bandwidth,
+              "best_bandwidth": best, "matmul_flops": hw.flops["fp32"], "batch_sizes": batch_sizes}
+    with tempfile.TemporaryDirectory(prefix="tinyserve-inductor-") as cache:
+        if measure_compile:
+            say("compiling in two fresh processes (cold, then warm) ...")
+            report["compile"] = compile_cost(model, max(batch_sizes), cache)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+        for name, eager in (("eager", True), ("compiled", False)):
+            started = time.perf_counter()
+            times, info = sweep_engine(batch_sizes, model, steps=steps, enforce_eager=eager)
+            say(f"{name}: swept in {time.perf_counter() - started:.0f} s")
+            report[name] = times
+        if os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    report.update(info)
+    floor = info["weight_bytes"] / best
+    on_best = replace(hw, memory_bandwidth=best)
+    report["floor_s"] = floor
+    report["predicted_crossover"] = predicted_crossover(on_best, info["dtype"])
+    report["fits"] = {"eager": knee_report(batch_sizes, report["eager"], on_best, info["dtype"],
+                                           info["weight_bytes"], min_batch=2),
+                      "compiled": knee_report(batch_sizes, report["compiled"], on_best,
+                                              info["dtype"], info["weight_bytes"])}
+    fit = report["fits"]["compiled"]
+    # Past the knee each extra request adds 2 FLOPs per parameter read.
+    report["tail_flops"] = (2 * info["num_parameters_read"] / fit["fit_slope_s"]
+                            if fit["fit_slope_s"] > 0 else None)
+    if verbose:
+        print_report(report)
+    return report
+
+
+def print_report(r: dict) -> None:
+    floor = r["floor_s"]
+    print(f"\n{r['model']} ({r['dtype']}): {r['weight_bytes'] / 2**20:.0f} MiB of weights read per "
+          f"step; floor = that / {r['best_bandwidth'] / 1e9:.1f} GB/s = {floor * 1e3:.2f} ms")
+    print(f"{'B':>4}{'eager ms':>10}{'x floor':>9}{'compiled ms':>13}{'x floor':>9}{'speed-up':>10}")
+    for b, e, c in zip(r["batch_sizes"], r["eager"], r["compiled"]):
+        print(f"{b:>4}{e * 1e3:>10.2f}{e / floor:>9.2f}{c * 1e3:>13.2f}{c / floor:>9.2f}{e / c:>9.2f}x")
+    for name, f in r["fits"].items():
+        knee = f">={f['knee']:.0f} (flat)" if f["flat"] else f"{f['knee']:.1f}"
+        print(f"knee fitted on the {name} curve: {knee}; ceilings ratio {f['predicted_crossover']:.1f} "
+              f"(knee / ratio = {f['knee_over_predicted']:.2f})")
+    if r["tail_flops"]:
+        print(f"past the knee each request adds {r['fits']['compiled']['fit_slope_s'] * 1e3:.2f} ms: "
+              f"{r['tail_flops'] / 1e9:.0f} GFLOP/s against a measured matmul peak of "
+              f"{r['matmul_flops'] / 1e9:.0f} GFLOP/s ({r['tail_flops'] / r['matmul_flops']:.0%})")
+    for name, c in r.get("compile", {}).items():
+        print(f"{name} start of a compiled engine (all buckets): {c['start_s']:.1f} s, "
+              f"of which compiling {c['compile_s']:.1f} s" if c["compiled"] else
+              f"{name} start: compiling failed, the engine ran eagerly")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="cpu-bench", help="preset or checkpoint directory")
+    parser.add_argument("--max-batch", type=int, default=64, help="largest batch (powers of 2)")
+    parser.add_argument("--steps", type=int, default=5, help="decode steps timed per batch size")
+    parser.add_argument("--no-compile-cost", action="store_true",
+                        help="skip the cold/warm start measurement (two fresh processes)")
+    parser.add_argument("--out", help="also write the report as JSON to this path")
+
+
+def main(args) -> dict:
+    sizes = [b for b in BATCH_SIZES if b <= args.max_batch]
+    report = run(args.model, sizes, args.steps, measure_compile=not args.no_compile_cost)
+    if args.out:
+        print(f"wrote {write_json(report, args.out)}")
+    return report

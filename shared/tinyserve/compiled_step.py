@@ -1,0 +1,147 @@
+"""Compiled decode steps, one graph per batch-size bucket (vLLM's ``enforce_eager=False``).
+
+A decode step should cost one read of the weights. Eager PyTorch on a CPU
+misses that floor for two reasons: the BLAS's small-batch GEMM re-packs every
+weight matrix on each call (so a batch of 4 already costs about twice a batch
+of 1), and the norms, rotary embedding and SiLU are a dozen small kernels per
+layer. ``torch.compile`` with Inductor's *freezing* treats the weights as
+constants: it packs each one once, for the exact batch of the graph (MKL's
+packed GEMM on x86), and fuses the pointwise ops. On a GPU the graph of each
+bucket is captured as a CUDA graph (``mode="reduce-overhead"``), so a step's
+hundreds of kernel launches become one replay.
+
+Both need fixed shapes. As vLLM does with ``cudagraph_capture_sizes``, a
+decode batch is padded up to the next bucket (1, 2, 4, 8, ...), and the block
+tables to the widest a request can have. Attention runs eagerly inside the
+graph as one opaque op (``model.padded_decode_attention``), since its cost
+depends on contexts that grow every step. Every bucket is compiled at start
+(``warm_up``), so no request waits for a compile. Prefill and mixed steps stay
+eager.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
+
+# vLLM's default capture sizes start 1, 2, 4, 8, then go in steps of 8; powers of two
+# keep the number of graphs (each one a compile and, with freezing, a packed copy of
+# the weights) small.
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+# Dynamo keeps its graphs per code object: every engine and every bucket is one more
+# entry of LlamaForServing.forward. The default limit (8) would silently send the
+# second engine of a notebook back to eager.
+MIN_RECOMPILE_LIMIT = 256
+
+
+def capture_sizes_for(max_num_seqs: int, sizes=CAPTURE_SIZES) -> tuple[int, ...]:
+    """The buckets a scheduler running at most ``max_num_seqs`` requests can fill."""
+    sizes = tuple(sorted(sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"capture_sizes: need positive batch sizes, got {sizes}")
+    needed = tuple(s for s in sizes if s < max_num_seqs)
+    return needed + tuple(s for s in sizes if s >= max_num_seqs)[:1]
+
+
+class CompiledDecode:
+    """The model's forward compiled for pure decode batches of each bucket size."""
+
+    def __init__(self, model: LlamaForServing, kv_cache: KVCache, max_blocks_per_seq: int,
+                 sizes: tuple[int, ...], scratch_slot: int, mode: str | None = "default"):
+        # Imported here, not at the top: the compiler stack costs ~1 s and ~150 MB, and it
+        # imports Triton, which must come after tinyserve.kernels chooses its interpreter.
+        import torch._dynamo
+        import torch._inductor.config
+
+        self.model, self.kv_cache = model, kv_cache
+        self.sizes, self.width = tuple(sorted(sizes)), max_blocks_per_seq
+        # Padding rows write their K and V here: a slot no request ever owns.
+        self.scratch_slot = scratch_slot
+        self.device = next(model.parameters()).device
+        self.on_cpu = self.device.type == "cpu"
+        for option in ("recompile_limit", "cache_size_limit"):   # renamed in torch 2.6
+            if hasattr(torch._dynamo.config, option):
+                setattr(torch._dynamo.config, option,
+                        max(getattr(torch._dynamo.config, option), MIN_RECOMPILE_LIMIT))
+        if mode == "default":
+            mode = None if self.on_cpu else "reduce-overhead"     # a CUDA graph per bucket
+        self.forward = torch.compile(model.forward, dynamic=False, mode=mode)
+        self.compile_seconds: dict[int, float] = {}
+        self.steps_run = 0              # decode steps that ran on a graph (padding excluded)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest bucket that holds ``batch`` rows (None: run eagerly)."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def warm_up(self) -> float:
+        """Compile every bucket now (padding rows only); total seconds."""
+        for size in self.sizes:
+            started = time.perf_counter()
+            self.run([], [], [], [], [], size)
+            self.compile_seconds[size] = time.perf_counter() - started
+        self.steps_run = 0
+        return sum(self.compile_seconds.values())
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            tables: list[list[int]], context_lens: list[int], bucket: int) -> torch.Tensor:
+        """Logits of the ``len(ids)`` decode rows, computed as a batch of ``bucket``."""
+        n, pad = len(ids), bucket - len(ids)
+        dev = self.device
+        table = torch.zeros(bucket, self.width, dtype=torch.long)
+        for row, blocks in enumerate(tables):
+            table[row, :len(blocks)] = torch.tensor(blocks)
+        lens = torch.tensor(context_lens + [1] * pad, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots + [self.scratch_slot] * pad, device=dev), query_lens=[],
+            context_lens=[], block_tables=table.to(dev), num_decodes=bucket,
+            decode_context_lens=lens, padded=True)
+        inputs = (torch.tensor(ids + [0] * pad, device=dev),
+                  torch.tensor(positions + [0] * pad, device=dev))
+        # Freezing is read when a graph is compiled; patching each call keeps a
+        # recompile from silently compiling without it.
+        with torch._inductor.config.patch(freezing=self.on_cpu):
+            logits = self.forward(*inputs, meta, self.kv_cache, None)
+        self.steps_run += 1
+        return logits[:n]
+
+
+def compile_decode(model: LlamaForServing, kv_cache: KVCache, max_blocks_per_seq: int,
+                   sizes: tuple[int, ...], scratch_slot: int) -> CompiledDecode | None:
+    """A warmed-up ``CompiledDecode``, or None (with one warning) where compiling fails:
+    no C++ compiler, a platform or a torch that Inductor does not support."""
+    try:
+        graphs = CompiledDecode(model, kv_cache, max_blocks_per_seq, sizes, scratch_slot)
+        graphs.warm_up()
+    except Exception as error:      # any failure of the compiler stack means: run eagerly
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        warnings.warn(f"enforce_eager=False: torch.compile is not available here "
+                      f"({type(error).__name__}: {first_line}); running eagerly",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return graphs
+
+
+def prepacked_linear(weight: torch.Tensor, batch: int):
+    """``x -> x @ weight.T`` for exactly ``batch`` rows through MKL's packed GEMM, the
+    kernel Inductor's freezing puts in a compiled CPU graph, without compiling.
+
+    The weight ``[out, in]`` is packed once (a copy about its own size) for that
+    batch; a plain ``F.linear`` re-packs it on every call, which is why eager small
+    batches sit above the weight-read floor. Returns None where this torch has no
+    MKL (ARM, some builds) or the weight is not fp32 on a CPU: use ``F.linear``."""
+    mkl = getattr(torch.ops, "mkl", None)
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear")):
+        return None
+    weight = weight.contiguous()
+    packed = mkl._mkl_reorder_linear_weight(weight, batch)
+    return lambda x: mkl._mkl_linear(x, packed, weight, None, batch)
