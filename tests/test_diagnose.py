@@ -219,3 +219,64 @@ def test_overload_with_inter_token_spikes_also_points_at_prefill_chunking():
     assert d.action.startswith("add capacity") and "enable_chunked_prefill" in d.action
     calm = diagnose(s | {"p99_itl": 0.03}, TTFT_SLO, TPOT_SLO)
     assert "enable_chunked_prefill" not in calm.action
+
+
+# ---- what a live server does not export (unknown) -------------------------------------
+
+LOAD = {"max_queue_length": 40.0, "queue_growth_rate": 2.0, "arrival_rate": 9.0, "request_throughput": 5.0}
+
+
+def test_without_a_percentile_the_stage_is_unknown_and_says_why():
+    why = "metric tinyserve:time_to_first_token_seconds not exported"
+    d = diagnose({"p99_tpot": 0.01} | LOAD, TTFT_SLO, TPOT_SLO, unknown={"p99_ttft": why})
+    assert d.stage == "unknown" and d.stage in STAGES
+    assert "p99_ttft" in d.finding
+    assert d.evidence["p99_tpot (s) vs tpot_slo"] == (0.01, TPOT_SLO)
+    assert d.evidence["arrival_rate"] == 9.0
+    assert f"p99_ttft: unknown ({why})" in str(d)
+    # Missing without a reason is still an error: a summary of ours never lacks it.
+    with pytest.raises(ValueError, match="missing key 'p99_ttft'"):
+        diagnose({"p99_tpot": 0.01}, TTFT_SLO, TPOT_SLO)
+
+
+def test_unknown_inter_token_gaps_do_not_pass_for_the_bandwidth_floor():
+    s = {"p99_ttft": 0.2, "p99_tpot": 0.08, "mean_batch_size": 20.0}
+    gaps = {"median_itl": "no ITL histogram", "p99_itl": "no ITL histogram"}
+    d = diagnose(s, TTFT_SLO, TPOT_SLO, crossover=CROSSOVER, unknown=gaps)
+    assert d.stage == "decode" and "memory bandwidth" not in d.finding
+    assert "cannot be told from the bandwidth floor" in d.finding
+    assert d.action.startswith("try enable_chunked_prefill")
+    assert "median_itl, p99_itl: unknown (no ITL histogram)" in str(d)
+    # Known gaps without a spike: the bandwidth floor, as before.
+    known = diagnose(s | {"median_itl": 0.07, "p99_itl": 0.09}, TTFT_SLO, TPOT_SLO, crossover=CROSSOVER)
+    assert "memory bandwidth" in known.finding
+
+
+def test_without_queue_times_the_queue_length_tells_queueing_from_prefill():
+    slow_first = {"p99_ttft": 2.0, "p99_tpot": 0.01, "mean_ttft": 1.0}
+    why = {"mean_queue_time": "no queue-time histogram"}
+    assert diagnose(slow_first | {"max_queue_length": 12.0}, TTFT_SLO, TPOT_SLO, unknown=why).stage == "queueing"
+    assert diagnose(slow_first | {"max_queue_length": 0.0}, TTFT_SLO, TPOT_SLO, unknown=why).stage == "prefill"
+
+
+def test_an_unexported_hit_rate_is_not_judged_as_lost():
+    s = {"p99_ttft": 0.2, "p99_tpot": 0.01}
+    # Never looked up (a summary without the key): lost, as before.
+    assert diagnose(s, TTFT_SLO, TPOT_SLO, prefix_share=0.9).stage == "cache"
+    d = diagnose(s, TTFT_SLO, TPOT_SLO, prefix_share=0.9,
+                 unknown={"prefix_cache_hit_rate": "metric x not exported"})
+    assert d.stage == "healthy" and d.finding.startswith("就已知的指标而言")
+    assert "as far as the exported metrics show" in d.finding
+    assert "prefix_cache_hit_rate: unknown (metric x not exported)" in str(d)
+
+
+@pytest.mark.parametrize("unknown", [["p99_ttft"], {"p99_ttft": 3}, {1: "why"}])
+def test_unknown_must_map_keys_to_reasons(unknown):
+    with pytest.raises(ValueError, match="unknown must map keys to reasons"):
+        diagnose({"p99_ttft": 0.1, "p99_tpot": 0.01}, TTFT_SLO, TPOT_SLO, unknown=unknown)
+
+
+def test_overload_evidence_shows_the_kv_cache_and_preemptions():
+    s = {"p99_ttft": 5.0, "p99_tpot": 0.07, "mean_kv_usage": 0.98, "num_preemptions": 40.0} | LOAD
+    d = diagnose(s, TTFT_SLO, TPOT_SLO)
+    assert d.evidence["mean_kv_usage"] == 0.98 and d.evidence["num_preemptions"] == 40.0

@@ -5,6 +5,9 @@
     tinyserve bench serve --url http://127.0.0.1:8000 --workload shared-prefix --rate 8 --num-requests 64
     tinyserve bench routing --num-replicas 3          # the routing policies compared, one table
     tinyserve bench kernels | crossover | sim ...      # same as python -m tinyserve.bench
+    tinyserve diagnose --url http://127.0.0.1:8000 --window 60 --ttft-slo 0.5 --tpot-slo 0.05 \
+        --hardware H100_SXM --model-spec LLAMA_7B --max-num-seqs 256   # the tuning order, live
+    tinyserve diagnose --once before.prom after.prom --window 60       # two saved scrapes
 
 ``python -m tinyserve ...`` is the same command.
 """
@@ -13,6 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from tinyserve.hardware import HARDWARE_PRESETS, MODELS
+
+HARDWARE_NAMES, MODEL_NAMES = sorted(HARDWARE_PRESETS), sorted(MODELS)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +41,41 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (a checkpoint's own dtype; float32 for presets), float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="--no-enforce-eager compiles the decode step (torch.compile, one graph "
+                        "per batch bucket, compiled at start); default: eager")
+
+
+def _limit_args(p: argparse.ArgumentParser, router: bool = False) -> None:
+    """Request limits and timeouts of a server or router (issue: serving that survives faults)."""
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--header-timeout", type=float, default=60.0,
+                   help="seconds for a request's line and headers to arrive (default 60)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds for a request's body to arrive (default 60; then 408)")
+    if router:
+        p.add_argument("--health-interval", type=float, default=2.0,
+                       help="seconds between /health probes of each replica (default 2)")
+        p.add_argument("--upstream-timeout", type=float, default=120.0,
+                       help="seconds to wait for a replica's next bytes (default 120)")
+        p.add_argument("--connect-timeout", type=float, default=5.0,
+                       help="seconds to connect to a replica before trying another (default 5)")
+    else:
+        p.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longer prompts get 400 without being tokenized (default: what "
+                            "the context could hold)")
+
+
+def _limits(args, router: bool = False):
+    common = dict(max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+                  body_timeout=args.body_timeout)
+    if router:
+        from tinyserve.serving.router import RouterConfig
+        return RouterConfig(health_interval=args.health_interval, read_timeout=args.upstream_timeout,
+                            connect_timeout=args.connect_timeout, **common)
+    from tinyserve.serving.app import ServerConfig
+    return ServerConfig(max_prompt_chars=args.max_prompt_chars, **common)
 
 
 def _route_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +132,46 @@ def _bench_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefix-groups", type=int, default=12)
 
 
+def _diagnose_args(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--url", help="the server (tinyserve, vLLM or SGLang); /metrics is read twice")
+    source.add_argument("--once", nargs=2, metavar=("FILE1", "FILE2"),
+                        help="two saved scrapes of /metrics, --window seconds apart")
+    p.add_argument("--window", type=float, default=60.0, help="seconds between the scrapes (default 60)")
+    p.add_argument("--ttft-slo", type=float, default=0.5, help="seconds (default 0.5)")
+    p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds (default 0.05)")
+    p.add_argument("--stat", default="p99", choices=["mean", "median", "p99"],
+                   help="the statistic compared with the SLOs (default p99)")
+    p.add_argument("--hardware", help="GPU preset for the crossover: " + ", ".join(HARDWARE_NAMES))
+    p.add_argument("--model-spec", help="model preset for the crossover: " + ", ".join(MODEL_NAMES))
+    p.add_argument("--model-dir", help="a checkpoint directory whose config.json gives the model")
+    p.add_argument("--dtype", default="fp16", help="weights' dtype for the crossover (default fp16)")
+    p.add_argument("--crossover", type=float, default=None, help="a crossover batch you measured")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the server's batch cap")
+    p.add_argument("--prefix-share", type=float, default=None,
+                   help="share of prompt tokens you expect to be a reusable prefix (0-1)")
+    p.add_argument("--routing", default=None, help="the router's policy in front of the server, if any")
+    p.add_argument("--model", default=None, help="the model_name label, when the server has several")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per scrape")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def _diagnose(args) -> None:
+    from pathlib import Path
+    from tinyserve.serving.live_diagnose import crossover_of, diagnose_texts, diagnose_url
+    found = crossover_of(args.hardware, args.model_spec, args.model_dir, args.dtype)
+    crossover, note = (args.crossover, "given") if args.crossover is not None else (found or (None, None))
+    knobs = dict(ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, crossover=crossover, crossover_note=note,
+                 max_num_seqs=args.max_num_seqs, prefix_share=args.prefix_share, routing=args.routing,
+                 stat=args.stat)
+    if args.once:
+        before, after = (Path(f).read_text() for f in args.once)
+        live = diagnose_texts(before, after, args.window, model=args.model, **knobs)
+    else:
+        live = diagnose_url(args.url, args.window, model=args.model, timeout=args.timeout, **knobs)
+    print(live.to_json() if args.json else live)
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `tinyserve bench kernels|crossover|sim ...` belongs to tinyserve.bench.
@@ -99,8 +181,10 @@ def main(argv=None) -> None:
         return
     parser = argparse.ArgumentParser(prog="tinyserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_args(sub.add_parser("serve", help="OpenAI-compatible streaming server"))
-    _route_args(sub.add_parser("route", help="streaming router over replicas"))
+    _serve_args(serve_parser := sub.add_parser("serve", help="OpenAI-compatible streaming server"))
+    _limit_args(serve_parser)
+    _route_args(route_parser := sub.add_parser("route", help="streaming router over replicas"))
+    _limit_args(route_parser, router=True)
     bench = sub.add_parser("bench", help="benchmarks: serve, routing (kernels, crossover, sim)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     _bench_serve_args(bsub.add_parser("serve", help="load-test an OpenAI-compatible server"))
@@ -108,20 +192,28 @@ def main(argv=None) -> None:
     bsub.add_parser("kernels", help="see python -m tinyserve.bench kernels --help")
     bsub.add_parser("crossover", help="see python -m tinyserve.bench crossover --help")
     bsub.add_parser("sim", help="see python -m tinyserve.bench sim --help")
+    _diagnose_args(sub.add_parser("diagnose", help="the tuning order on a live server's /metrics"))
     args = parser.parse_args(argv)
 
-    if args.command == "serve":
+    if args.command == "diagnose":
+        try:
+            _diagnose(args)
+        except (ValueError, ConnectionError, OSError) as exc:
+            parser.exit(2, f"tinyserve diagnose: error: {exc}\n")
+    elif args.command == "serve":
         from tinyserve.serving.app import serve
         serve(model=args.model, host=args.host, port=args.port,
               served_model_name=args.served_model_name, threads=args.threads, seed=args.seed,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+              config=_limits(args))
     elif args.command == "route":
         from tinyserve.serving.router import route
         replicas = [u for u in args.replicas.split(",") if u]
-        route(replicas, args.policy, host=args.host, port=args.port, **_policy_kwargs(args))
+        route(replicas, args.policy, host=args.host, port=args.port,
+              config=_limits(args, router=True), **_policy_kwargs(args))
     elif args.bench == "serve":
         from tinyserve.serving.client import benchmark, format_summary, save_result
         from tinyserve.workload import make_workload

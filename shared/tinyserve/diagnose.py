@@ -13,14 +13,21 @@
 Each step is one function below; ``diagnose`` returns the first problem found,
 with the numbers it compared (``Diagnosis.evidence``) so the reader sees the
 rule that fired.
+
+A summary read off a live server (``tinyserve.serving.live_diagnose``) may lack
+a number because the server does not export it. ``unknown`` then maps each
+missing key to the reason, the step that needed it says so
+(``Diagnosis.unknown``) instead of assuming a value, and without the TTFT or
+TPOT percentile the stage itself is ``"unknown"``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Every stage ``diagnose`` may return, in the order it looks.
-STAGES = ("overload", "queueing", "prefill", "decode", "batch", "cache", "healthy")
+#: Every stage ``diagnose`` may return, in the order it looks; "unknown" when the
+#: TTFT or TPOT percentile it starts from is not known.
+STAGES = ("overload", "queueing", "prefill", "decode", "batch", "cache", "healthy", "unknown")
 STATS = ("mean", "median", "p99")
 
 # Thresholds (documented, returned in the evidence so a reader sees the rule applied).
@@ -33,11 +40,14 @@ CACHE_MISS = 0.5         # hit rate below this share of the expected prefix shar
 MODEL_LEVERS = ("model-level levers, only now (模型层面的手段，最后才看): quantization (量化), "
                 "speculative decoding (投机解码), tensor/pipeline parallelism (并行) — see the later chapters")
 REST = ["batch size vs crossover (批大小对照交叉点)", "prefix-cache hit rate (前缀缓存命中率)", MODEL_LEVERS]
+STEP_2_3_KEYS = ("mean_batch_size", "crossover", "max_num_seqs", "prefix_cache_hit_rate", "prefix_share")
 CHUNK_NOTE = ("; inter-token gaps spike too, so also cap the prefill per step (enable_chunked_prefill, "
               "a smaller max_num_batched_tokens) (出字间隔也有尖峰：顺便打开分块预填充、减小 token 预算)")
 OPTIONAL_KEYS = ("mean_ttft", "mean_queue_time", "max_queue_length", "queue_growth_rate", "arrival_rate",
                  "request_throughput", "median_itl", "p99_itl", "prefix_cache_hit_rate",
-                 "prefill_token_share", "mean_step_time")
+                 "prefill_token_share", "mean_step_time", "mean_kv_usage", "num_preemptions")
+LOAD_KEYS = ("max_queue_length", "queue_growth_rate", "arrival_rate", "request_throughput")
+MEMORY_KEYS = ("mean_kv_usage", "num_preemptions")   # a full KV cache preempts and caps the batch
 
 
 @dataclass
@@ -47,19 +57,27 @@ class Diagnosis:
     ``stage`` is where in the tuning order the problem sits: ``"queueing"``,
     ``"prefill"``, ``"overload"``, ``"decode"`` (step 1: which stage is slow),
     ``"batch"`` (step 2), ``"cache"`` (step 3) or ``"healthy"`` (step 4: only
-    model-level levers left). ``evidence`` maps each quantity used
-    to its value, with the threshold it was compared against.
+    model-level levers left); ``"unknown"`` when step 1 lacks its numbers.
+    ``evidence`` maps each quantity used to its value, with the threshold it
+    was compared against; ``unknown`` maps each quantity a step needed but did
+    not have to the reason.
     """
     stage: str
     finding: str                # one Chinese sentence (English in parentheses)
     action: str
     evidence: dict = field(default_factory=dict)
     next: list = field(default_factory=list)
+    unknown: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"[{self.stage}] {self.finding}", f"  action: {self.action}"]
         for key, value in self.evidence.items():
             lines.append(f"  {key}: {format_value(value)}")
+        by_reason: dict[str, list[str]] = {}
+        for key, reason in self.unknown.items():
+            by_reason.setdefault(reason, []).append(key)
+        for reason, keys in by_reason.items():
+            lines.append(f"  {', '.join(keys)}: unknown ({reason})")
         if self.next:
             lines.append("  next: " + "; ".join(self.next))
         return "\n".join(lines)
@@ -118,6 +136,7 @@ class Facts:
     routing: str | None
     opt: dict
     evidence: dict
+    unknown: dict = field(default_factory=dict)   # key -> why it is not known
 
     @property
     def capped(self) -> bool:
@@ -139,8 +158,11 @@ class Facts:
 
     @property
     def cache_lost(self) -> bool:
-        return (self.prefix_share is not None and self.prefix_share > 0
-                and (self.hit is None or self.hit < CACHE_MISS * self.prefix_share))
+        if self.prefix_share is None or self.prefix_share <= 0:
+            return False
+        if self.hit is None:        # never looked up counts as lost; not exported cannot be judged
+            return "prefix_cache_hit_rate" not in self.unknown
+        return self.hit < CACHE_MISS * self.prefix_share
 
     @property
     def fix_cache(self) -> str:
@@ -161,6 +183,26 @@ class Facts:
         p99, median = self.opt["p99_itl"], self.opt["median_itl"]
         return p99 / median if p99 is not None and median else None
 
+    @property
+    def itl_unknown(self) -> bool:
+        return self.spike is None and ("p99_itl" in self.unknown or "median_itl" in self.unknown)
+
+    @property
+    def queued(self) -> bool:
+        """Does the queue take most of TTFT? Without queue times, any request seen
+        waiting says yes; with no queue data at all, queueing is assumed."""
+        share = self.queue_share
+        if share is not None:
+            return share >= QUEUE_SHARE
+        waiting = self.opt["max_queue_length"]
+        return waiting is None or waiting >= 1
+
+    @property
+    def queue_share(self) -> float | None:
+        if self.opt["mean_queue_time"] is None or not self.opt["mean_ttft"]:
+            return None
+        return self.opt["mean_queue_time"] / self.opt["mean_ttft"]
+
     def add(self, keys) -> None:
         for key in keys:
             if self.opt[key] is not None:
@@ -176,8 +218,9 @@ class Facts:
 
     def add_cache(self) -> None:
         if self.prefix_share is not None and self.prefix_share > 0:
-            self.evidence[f"prefix_cache_hit_rate (low below {CACHE_MISS:.0%} of expected)"] = (
-                self.hit if self.hit is not None else float("nan"))
+            if self.hit is not None or "prefix_cache_hit_rate" not in self.unknown:
+                self.evidence[f"prefix_cache_hit_rate (low below {CACHE_MISS:.0%} of expected)"] = (
+                    self.hit if self.hit is not None else float("nan"))
             self.evidence["expected prefix_share"] = self.prefix_share
             if self.routing is not None:
                 self.evidence["routing"] = self.routing
@@ -189,7 +232,7 @@ class Facts:
 # ---- the steps -------------------------------------------------------------------------
 
 def overload(f: Facts) -> Diagnosis:
-    f.add(("max_queue_length", "queue_growth_rate", "arrival_rate", "request_throughput"))
+    f.add(LOAD_KEYS + MEMORY_KEYS)
     f.add_batch()
     f.add_cache()
     action = f.free_capacity or ("add capacity (more replicas/GPUs) or rate-limit admissions "
@@ -200,17 +243,16 @@ def overload(f: Facts) -> Diagnosis:
             action += CHUNK_NOTE
     return Diagnosis("overload", "首字和出字一起超标，队列在变长：请求来得比处理得快（过载）"
                      "(TTFT and TPOT both miss and the queue grows: requests arrive faster than they "
-                     "are served).", action, f.evidence, REST)
+                     "are served).", action, f.evidence, REST, f.unknown)
 
 
 def slow_first_token(f: Facts) -> Diagnosis:
     """TTFT misses, TPOT holds: queueing if the queue takes most of TTFT, else prefill."""
-    share = None
-    if f.opt["mean_queue_time"] is not None and f.opt["mean_ttft"]:
-        share = f.opt["mean_queue_time"] / f.opt["mean_ttft"]
-        f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = share
+    if f.queue_share is not None:
+        f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = f.queue_share
     f.add(("max_queue_length", "queue_growth_rate"))
-    if share is None or share >= QUEUE_SHARE:
+    if f.queued:
+        f.add(("arrival_rate", "request_throughput") + MEMORY_KEYS)
         f.add_batch()
         f.add_cache()
         action = f.free_capacity or ("add capacity or rate-limit; a scheduler that lets short prompts "
@@ -221,7 +263,7 @@ def slow_first_token(f: Facts) -> Diagnosis:
             action += CHUNK_NOTE
         return Diagnosis("queueing", "首字慢、出字正常，时间花在排队上"
                          "(TTFT is slow, TPOT is fine, and the time goes to waiting in the queue).",
-                         action, f.evidence, REST)
+                         action, f.evidence, REST, f.unknown)
     f.add(("prefill_token_share",))
     f.add_cache()
     action = (f.fix_cache if f.cache_lost else
@@ -229,7 +271,7 @@ def slow_first_token(f: Facts) -> Diagnosis:
               "or give prefill its own GPUs (disaggregation) (复用前缀、缩短提示词、预填充/解码分离)")
     return Diagnosis("prefill", "首字慢、出字正常，而排队很短：预填充本身慢"
                      "(TTFT is slow, TPOT is fine and queueing is short: the prefill itself is slow).",
-                     action, f.evidence, REST)
+                     action, f.evidence, REST, f.unknown)
 
 
 def slow_decode(f: Facts) -> Diagnosis:
@@ -243,22 +285,30 @@ def slow_decode(f: Facts) -> Diagnosis:
         return Diagnosis("decode", "出字慢、首字正常，出字间隔有尖峰：长预填充卡住了解码"
                          "(TPOT is slow, TTFT is fine, and inter-token gaps spike: long prefills stall decodes).",
                          "enable_chunked_prefill with a smaller max_num_batched_tokens, or decode-first "
-                         "(打开分块预填充、减小 token 预算，或解码优先)", f.evidence, REST)
+                         "(打开分块预填充、减小 token 预算，或解码优先)", f.evidence, REST, f.unknown)
     if f.batch is not None and f.crossover is not None and f.batch > f.crossover:
         return Diagnosis("decode", "出字慢、首字正常，批已超过交叉点：每步受算力限制、变长"
                          "(TPOT is slow, TTFT is fine, and the batch is past the crossover: steps are compute-bound).",
                          "lower max_num_seqs toward the crossover (把 max_num_seqs 调回交叉点附近)",
-                         f.evidence, REST[1:])
+                         f.evidence, REST[1:], f.unknown)
     f.add_cache()
     if f.cache_lost:
         return Diagnosis("decode", "出字慢、首字正常，而前缀命中率低：重复的预填充挤占了解码步"
                          "(TPOT is slow, TTFT is fine, and prefix hits are low: recomputed prefills "
-                         "crowd the decode steps).", f.free_capacity, f.evidence, REST[1:])
+                         "crowd the decode steps).", f.free_capacity, f.evidence, REST[1:], f.unknown)
+    if f.itl_unknown:
+        return Diagnosis("decode", "出字慢、首字正常，但不知道出字间隔的分布：分不清是长预填充卡住了解码，还是每步卡在带宽下限"
+                         "(TPOT is slow and TTFT is fine, but without inter-token gaps a prefill stall cannot be "
+                         "told from the bandwidth floor).",
+                         "try enable_chunked_prefill with a smaller max_num_batched_tokens first (cheap; it helps "
+                         "if long prompts stall decodes); if TPOT does not move, the steps are at the bandwidth "
+                         "floor: " + MODEL_LEVERS + " (先试分块预填充；TPOT 不动，才是带宽下限)",
+                         f.evidence, REST[1:], f.unknown)
     return Diagnosis("decode", "出字慢、首字正常，批在交叉点以下：每步被显存带宽（读权重和 KV）卡住"
                      "(TPOT is slow, TTFT is fine, the batch is below the crossover: each step is bound "
                      "by memory bandwidth, reading weights and KV).",
                      "fewer/shorter contexts per step (lower max_num_seqs), then " + MODEL_LEVERS,
-                     f.evidence, REST[1:])
+                     f.evidence, REST[1:], f.unknown)
 
 
 def batch_and_cache(f: Facts) -> Diagnosis:
@@ -268,30 +318,54 @@ def batch_and_cache(f: Facts) -> Diagnosis:
         return Diagnosis("batch", "延迟达标，但批被 max_num_seqs 卡在交叉点以下：权重读取没摊薄，吞吐还有余量"
                          "(latency SLOs hold, but max_num_seqs caps the batch far below the crossover: "
                          "weight reads are poorly amortised and throughput is left on the table).",
-                         f.raise_batch, f.evidence, REST[1:])
+                         f.raise_batch, f.evidence, REST[1:], f.unknown)
     if f.prefix_share is not None and f.prefix_share > 0:
         f.add_cache()
         if f.cache_lost:
             return Diagnosis("cache", "前缀本可复用，命中率却很低：预填充在重复计算"
                              "(prompts share prefixes but the cache hit rate is low: prefill is recomputed).",
-                             f.fix_cache, f.evidence, [MODEL_LEVERS])
+                             f.fix_cache, f.evidence, [MODEL_LEVERS], f.unknown)
     elif f.hit is not None:
         f.evidence["prefix_cache_hit_rate"] = f.hit
-    return Diagnosis("healthy", "延迟达标，批大小与缓存都没有明显短板：这时才轮到模型层面的手段"
-                     "(SLOs hold and batch and cache show no gap: only now do model-level levers apply).",
-                     MODEL_LEVERS, f.evidence, [])
+    # Steps 2 and 3 could only look at what was known: say so.
+    partial = any(key in f.unknown for key in STEP_2_3_KEYS)
+    zh, en = ("就已知的指标而言，", " as far as the exported metrics show") if partial else ("", "")
+    return Diagnosis("healthy", f"{zh}延迟达标，批大小与缓存都没有明显短板：这时才轮到模型层面的手段"
+                     f"(SLOs hold and batch and cache show no gap{en}: only now do model-level levers apply).",
+                     MODEL_LEVERS, f.evidence, [], f.unknown)
+
+
+def undetermined(f: Facts, missing: list[str]) -> Diagnosis:
+    """Step 1 needs both percentiles; without one the order cannot start."""
+    f.add(LOAD_KEYS + MEMORY_KEYS)
+    f.add_batch()
+    return Diagnosis("unknown", "不知道慢在哪一段：缺少 " + "、".join(missing) +
+                     f"(cannot tell which stage is slow without {', '.join(missing)}).",
+                     "export the latency histograms, or widen the window so that requests finish "
+                     "inside it (导出延迟直方图，或加长观察窗口)", f.evidence, REST, f.unknown)
+
+
+def check_unknown(unknown) -> dict:
+    if unknown is None:
+        return {}
+    if not isinstance(unknown, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in unknown.items()):
+        raise ValueError(f"unknown must map keys to reasons (dict of str), got {unknown!r}")
+    return dict(unknown)
 
 
 def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: float | None = None,
              max_num_seqs: int | None = None, prefix_share: float | None = None,
-             routing: str | None = None, stat: str = "p99") -> Diagnosis:
+             routing: str | None = None, stat: str = "p99", unknown: dict | None = None) -> Diagnosis:
     """Walk the chapter's tuning order (module docstring) over a serving summary and
     return the first problem.
 
     ``summary`` is ``SimResult.summary()`` / ``ClusterResult.summary()`` / ``summarize()``;
-    it must hold ``{stat}_ttft`` and ``{stat}_tpot``. Other keys (``mean_batch_size``,
-    ``mean_queue_time``, ``mean_ttft``, ``max_queue_length``, ``queue_growth_rate``,
-    ``median_itl``, ``p99_itl``, ``prefix_cache_hit_rate``...) add evidence when present.
+    it must hold ``{stat}_ttft`` and ``{stat}_tpot`` unless ``unknown`` says why one is
+    missing. Other keys (``mean_batch_size``, ``mean_queue_time``, ``mean_ttft``,
+    ``max_queue_length``, ``queue_growth_rate``, ``median_itl``, ``p99_itl``,
+    ``prefix_cache_hit_rate``, ``mean_kv_usage``, ``num_preemptions``...) add evidence
+    when present. ``unknown`` (key -> reason) names what the source could not tell.
     """
     if not isinstance(summary, dict):
         raise ValueError(f"summary must be a dict, got {type(summary).__name__}")
@@ -300,14 +374,21 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: floa
     ttft_slo, tpot_slo = positive("ttft_slo", ttft_slo), positive("tpot_slo", tpot_slo)
     crossover = positive("crossover", crossover, allow_none=True)
     check_knobs(max_num_seqs, prefix_share, routing)
-    ttft, tpot = number(summary, f"{stat}_ttft"), number(summary, f"{stat}_tpot")
-    if ttft != ttft:
+    unknown = check_unknown(unknown)
+    slos = {f"{stat}_ttft": ttft_slo, f"{stat}_tpot": tpot_slo}
+    missing = [key for key in slos if key not in summary and key in unknown]
+    values = {key: number(summary, key) if key not in missing else float("nan") for key in slos}
+    ttft, tpot = values.values()
+    if ttft != ttft and not missing:
         raise ValueError(f"summary: {stat}_ttft is NaN (no completed requests to diagnose)")
     facts = Facts(ttft, tpot, number(summary, "mean_batch_size", required=False), crossover,
                   max_num_seqs, prefix_share, routing,
                   opt={k: number(summary, k, required=False) for k in OPTIONAL_KEYS},
-                  evidence={f"{stat}_ttft (s) vs ttft_slo": (ttft, ttft_slo),
-                            f"{stat}_tpot (s) vs tpot_slo": (tpot, tpot_slo)})
+                  evidence={f"{key} (s) vs {key.split('_')[1]}_slo": (values[key], slo)
+                            for key, slo in slos.items() if key not in missing},
+                  unknown=unknown)
+    if missing:
+        return undetermined(facts, missing)
     ttft_slow, tpot_slow = ttft > ttft_slo, tpot == tpot and tpot > tpot_slo
     if ttft_slow and tpot_slow:
         return overload(facts)

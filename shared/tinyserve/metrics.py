@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 
@@ -149,3 +150,47 @@ def summarize(metrics: list[RequestMetrics], duration: float | None = None,
     summary.update(_describe("itl", [gap for m in done for gap in m.itl]))
     summary.update(_describe("e2e", [m.e2e for m in done]))
     return summary
+
+
+# ---- histograms for a server's /metrics ---------------------------------------------
+
+# Bucket upper bounds (seconds), vLLM's extended down to the milliseconds a small model
+# on a CPU takes per token.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+               20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """Counts of observations per bucket, in Prometheus' conventions: bucket ``le=x``
+    counts every observation <= x (cumulative), the last bucket is ``+Inf`` (= count),
+    plus the sum and the count. Fixed buckets: memory does not grow with observations."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        if not buckets or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be increasing and distinct, got {buckets!r}")
+        self.buckets = tuple(float(b) for b in buckets)
+        self._counts = [0] * (len(self.buckets) + 1)     # per bucket, not cumulative
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def copy(self) -> "Histogram":
+        out = Histogram(self.buckets)
+        out._counts, out.sum, out.count = list(self._counts), self.sum, self.count
+        return out
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations <= it)`` for every bucket, ending with ``(inf, count)``."""
+        out, running = [], 0
+        for bound, n in zip(self.buckets + (float("inf"),), self._counts):
+            running += n
+            out.append((bound, running))
+        return out

@@ -1,7 +1,10 @@
 """Benchmarks that print tables (and write JSON for the notebooks): fused vs unfused
-kernels (``kernels``), the batch-size crossover on this machine (``crossover``),
-the simulator against the real engine (``sim``), and every GPU measurement the book
-needs in one run (``gpu-evidence``, see ``gpu_evidence``). Run ``python -m tinyserve.bench``.
+kernels (``kernels``), the batch-size crossover on this machine (``crossover``), the
+decode step against the weight-read floor, eager and compiled (``step``),
+the simulator against the real engine (``sim``), a server under rounds of streams and
+hostile requests (``soak``: errors, RSS and KV blocks per round), and every GPU
+measurement the book needs in one run (``gpu-evidence``, see ``gpu_evidence``).
+Run ``python -m tinyserve.bench``.
 """
 
 
@@ -14,7 +17,7 @@ def main(argv=None) -> None:
         from tinyserve.bench import gpu_evidence
         sys.exit(gpu_evidence.main(argv[1:]))
 
-    from tinyserve.bench import crossover, kernels, sim
+    from tinyserve.bench import crossover, kernels, sim, soak, step
     parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
                                      description="tinyserve benchmarks; each prints a table")
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -28,8 +31,13 @@ def main(argv=None) -> None:
     kp.add_argument("--cpu", action="store_true", help="run the CPU benchmark even with a GPU")
     cp = sub.add_parser("crossover", help="decode step time vs batch size: the roofline knee")
     crossover.add_arguments(cp)
-    sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU, and its speed")
+    stp = sub.add_parser("step", help="decode step vs the weight-read floor, eager and compiled")
+    step.add_arguments(stp)
+    sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU and its speed, "
+                                    "or (--fidelity) against published vLLM measurements")
     sim.add_arguments(sp)
+    soak.add_arguments(sub.add_parser("soak", help="a server under rounds of streams and hostile "
+                                                   "requests: errors, RSS, KV blocks per round"))
     sub.add_parser("gpu-evidence", add_help=False,
                    help="every GPU measurement the book needs, as JSON (see gpu-evidence --help)")
     args = parser.parse_args(argv)
@@ -37,5 +45,9 @@ def main(argv=None) -> None:
         kernels.kernels_main(args)
     elif args.bench == "crossover":
         crossover.main(args)
+    elif args.bench == "step":
+        step.main(args)
     elif args.bench == "sim":
         sim.main(args)
+    elif args.bench == "soak":
+        sys.exit(soak.main(args))

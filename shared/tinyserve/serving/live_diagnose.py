@@ -1,0 +1,287 @@
+"""The chapter's tuning order on a live server: two scrapes of ``/metrics``, one ``Diagnosis``.
+
+    tinyserve diagnose --url http://127.0.0.1:8000 --window 60 --ttft-slo 0.5 --tpot-slo 0.05
+    live = diagnose_url("http://127.0.0.1:8000", window=60, ttft_slo=0.5, tpot_slo=0.05)
+    print(live)        # the metrics used, the window's numbers, then the Diagnosis
+
+The window between the scrapes becomes the summary that ``tinyserve.diagnose``
+reads, and the diagnosis is that same function, the one notebook 08 teaches:
+
+* ``request_throughput``: finished requests / window; ``arrival_rate``: finished
+  (+ rejected) + the change in requests held (running + waiting), / window;
+* ``max_queue_length``, ``queue_growth_rate``: the waiting gauge at the two
+  scrapes, the larger and the change per second; ``mean_batch_size`` and
+  ``mean_kv_usage``: the running and KV-usage gauges, averaged over the two;
+* ``{mean,median,p99}_{ttft,tpot,itl,e2e}`` and ``mean_queue_time``: the window's
+  histogram observations (mean = sum / count, quantiles from the buckets);
+* ``prefix_cache_hit_rate``: prefix-cache hits / lookups in the window;
+  ``num_preemptions``: preemptions in the window.
+
+What the server does not export stays unknown (``LiveDiagnosis.unknown``), and
+the step that needed it says so. One substitution is made, and named: an engine
+without a per-request TPOT histogram (SGLang, vLLM < 0.11) has TPOT read from
+its inter-token histogram, the per-token gaps that TPOT averages per request.
+The crossover (step 2) needs the GPU and the model, which ``/metrics`` does not
+tell: from ``crossover_of(hardware=..., model_spec=...)`` or ``model_dir``,
+else that step is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinyserve.diagnose import STATS, Diagnosis, diagnose, format_value
+from tinyserve.hardware import MODELS, ModelSpec, crossover_batch, get_hardware, lookup
+from tinyserve.serving.client import run_benchmark
+from tinyserve.serving.dialects import Name
+from tinyserve.serving.scrape import Window, fetch_metrics, parse_metrics
+
+QUANTILES = {"mean": None, "median": 0.5, "p99": 0.99}
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+SKIPPED_CROSSOVER = ("skipped: /metrics tells neither the GPU nor the model; pass --hardware and "
+                     "--model-spec (or --model-dir), or --crossover")
+NO_MAX_NUM_SEQS = "not in /metrics; pass --max-num-seqs (vLLM --max-num-seqs, SGLang --max-running-requests)"
+NO_PREFIX_SHARE = "not given, so the hit rate is shown but not judged; pass --prefix-share"
+
+
+@dataclass
+class LiveDiagnosis:
+    """What ``diagnose_window`` read, computed and concluded."""
+    engine: str
+    seconds: float
+    model: str | None
+    sources: dict           # role -> the metric it was read from (and its version note)
+    summary: dict           # the window as diagnose() reads it
+    crossover: str          # how the crossover was obtained, or why it was skipped
+    diagnosis: Diagnosis
+    url: str | None = None
+
+    @property
+    def unknown(self) -> dict:
+        """Summary key or knob -> why it is not known."""
+        return self.diagnosis.unknown
+
+    def __str__(self) -> str:
+        where = f" at {self.url}" if self.url else ""
+        model = f", model {self.model}" if self.model else ""
+        lines = [f"{self.engine}{where}{model}: a window of {self.seconds:.1f} s", "metrics used:"]
+        lines += [f"  {role:<18}{source}" for role, source in self.sources.items()]
+        lines.append("over the window:")
+        lines += [f"  {key:<22}{format_value(value)}" for key, value in self.summary.items()]
+        lines += [f"crossover: {self.crossover}", "", str(self.diagnosis)]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = self.diagnosis
+        return {"engine": self.engine, "url": self.url, "model": self.model, "seconds": self.seconds,
+                "sources": self.sources, "summary": plain(self.summary), "crossover": self.crossover,
+                "diagnosis": {"stage": d.stage, "finding": d.finding, "action": d.action,
+                              "evidence": plain(d.evidence), "next": d.next, "unknown": d.unknown}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, indent=2)
+
+
+def plain(values: dict) -> dict:
+    """JSON-ready: tuples as lists, NaN as null."""
+    def one(v):
+        if isinstance(v, tuple):
+            return [one(x) for x in v]
+        return None if isinstance(v, float) and math.isnan(v) else v
+    return {k: one(v) for k, v in values.items()}
+
+
+# ---- the window as a summary --------------------------------------------------------
+
+def load_summary(w: Window, s: dict, unknown: dict) -> None:
+    """Arrivals, completions, the queue, the batch, the KV cache and preemptions."""
+    finished, rejected = w.delta("finished"), w.delta("rejected") or 0.0
+    running, waiting = w.gauge("running"), w.gauge("waiting")
+    if finished is None:
+        unknown["request_throughput"] = unknown["arrival_rate"] = w.missing("finished")
+    else:
+        s["completed"] = finished
+        s["request_throughput"] = finished / w.seconds
+        if running is None or waiting is None:
+            unknown["arrival_rate"] = w.missing("running" if running is None else "waiting")
+        else:
+            held = running[1] + waiting[1] - running[0] - waiting[0]
+            s["arrival_rate"] = (finished + rejected + held) / w.seconds
+    if waiting is None:
+        unknown["max_queue_length"] = unknown["queue_growth_rate"] = w.missing("waiting")
+    else:
+        s["max_queue_length"] = max(waiting)
+        s["queue_growth_rate"] = (waiting[1] - waiting[0]) / w.seconds
+    for key, role in (("mean_batch_size", "running"), ("mean_kv_usage", "kv_usage")):
+        level = running if role == "running" else w.gauge(role)
+        if level is None:
+            unknown[key] = w.missing(role)
+        else:
+            s[key] = sum(level) / 2
+    preemptions = w.delta("preemptions")
+    if preemptions is None:
+        unknown["num_preemptions"] = w.missing("preemptions")
+    else:
+        s["num_preemptions"] = preemptions
+    generated = w.delta("generation_tokens")
+    if generated is not None:
+        s["output_throughput"] = generated / w.seconds
+
+
+def cache_summary(w: Window, s: dict, unknown: dict) -> None:
+    """Prefix-cache hits / lookups over the window; a hit-rate gauge if no counters."""
+    queries, hits = w.delta("prefix_queries"), w.delta("prefix_hits")
+    if queries is not None and hits is not None:
+        prompts = w.delta("prompt_tokens")
+        if queries > 0:
+            s["prefix_cache_hit_rate"] = hits / queries
+        elif prompts:               # prompts went through and none was looked up: caching is off
+            s["prefix_cache_hit_rate"] = 0.0
+            w.found["prefix_queries"] = Name(w.found["prefix_queries"].metric,
+                                             "no lookups while prompts ran: prefix caching is off")
+        else:
+            unknown["prefix_cache_hit_rate"] = "no prefix-cache lookups in the window"
+        return
+    for role in ("prefix_queries", "prefix_hits"):     # half a pair is not used
+        w.found.pop(role, None)
+    rate = w.gauge("prefix_hit_rate")
+    if rate is None:
+        unknown["prefix_cache_hit_rate"] = w.missing("prefix_queries" if queries is None else "prefix_hits")
+    else:
+        s["prefix_cache_hit_rate"] = rate[1]
+
+
+def latency_summary(w: Window, s: dict, unknown: dict) -> None:
+    """Mean, median and p99 of every latency histogram the server exports."""
+    for role in LATENCIES:
+        h = w.histogram(role)
+        if h is None or h.count == 0:
+            reason = (w.missing(role) if h is None else
+                      f"no observations of {w.found[role].metric} in the window; widen it")
+            unknown.update({f"{stat}_{role}": reason for stat in STATS})
+            continue
+        for stat, q in QUANTILES.items():
+            s[f"{stat}_{role}"] = h.mean if q is None else h.quantile(q)
+    queue = w.histogram("queue_time")
+    if queue is None or queue.count == 0:
+        unknown["mean_queue_time"] = (w.missing("queue_time") if queue is None else
+                                      "no queue-time observations in the window")
+    else:
+        s["mean_queue_time"] = queue.mean
+
+
+def stand_in_tpot(w: Window, s: dict, unknown: dict) -> None:
+    """No per-request TPOT histogram: read TPOT from the per-token gaps, and say so."""
+    if "tpot" in w.found or "itl" not in w.found or "p99_itl" in unknown:
+        return
+    for stat in STATS:
+        s[f"{stat}_tpot"] = s[f"{stat}_itl"]
+        unknown.pop(f"{stat}_tpot", None)
+    w.found["tpot"] = Name(f"stand-in: {w.found['itl'].metric}",
+                           f"per-token gaps; {w.dialect.engine} exports no per-request TPOT histogram")
+
+
+def window_summary(w: Window) -> tuple[dict, dict]:
+    """The summary ``diagnose()`` reads, and what stayed unknown (key -> reason)."""
+    s, unknown = {"duration": w.seconds}, {}
+    load_summary(w, s, unknown)
+    cache_summary(w, s, unknown)
+    latency_summary(w, s, unknown)
+    stand_in_tpot(w, s, unknown)
+    return s, unknown
+
+
+# ---- the crossover and the diagnosis -------------------------------------------------
+
+def crossover_of(hardware: str | None = None, model_spec: str | None = None,
+                 model_dir: str | None = None, dtype: str = "fp16") -> tuple[float, str] | None:
+    """(crossover batch, how it was found) from a GPU preset and a model preset or a
+    checkpoint's ``config.json``; None when neither is given."""
+    if model_spec is not None and model_dir is not None:
+        raise ValueError("give --model-spec or --model-dir, not both")
+    if hardware is None and model_spec is None and model_dir is None:
+        return None
+    if hardware is None or (model_spec is None and model_dir is None):
+        raise ValueError("the crossover needs both the GPU (--hardware) and the model "
+                         "(--model-spec or --model-dir)")
+    hw = get_hardware(hardware)
+    if model_dir is not None:
+        from tinyserve.checkpoint import read_config
+        spec = ModelSpec.from_config(read_config(model_dir), name=Path(model_dir).name)
+    else:
+        spec = lookup(MODELS, model_spec, "model spec")
+    return crossover_batch(hw, spec, dtype), f"{hw.name}, {spec.name} {dtype}"
+
+
+def diagnose_window(w: Window, ttft_slo: float, tpot_slo: float, *, crossover: float | None = None,
+                    crossover_note: str | None = None, max_num_seqs: int | None = None,
+                    prefix_share: float | None = None, routing: str | None = None,
+                    stat: str = "p99", url: str | None = None) -> LiveDiagnosis:
+    """Summarize the window and walk the tuning order over it (``tinyserve.diagnose``)."""
+    summary, unknown = window_summary(w)
+    if crossover is None:
+        unknown["crossover"] = SKIPPED_CROSSOVER
+    if max_num_seqs is None:
+        unknown["max_num_seqs"] = NO_MAX_NUM_SEQS
+    if prefix_share is None:
+        unknown["prefix_share"] = NO_PREFIX_SHARE
+    d = diagnose(summary, ttft_slo, tpot_slo, crossover=crossover, max_num_seqs=max_num_seqs,
+                 prefix_share=prefix_share, routing=routing, stat=stat, unknown=unknown)
+    note = SKIPPED_CROSSOVER if crossover is None else f"{crossover:.4g} ({crossover_note or 'given'})"
+    return LiveDiagnosis(w.dialect.engine, w.seconds, w.model, {r: str(n) for r, n in w.found.items()},
+                         summary, note, d, url)
+
+
+def diagnose_texts(before: str, after: str, seconds: float, model: str | None = None,
+                   **knobs) -> LiveDiagnosis:
+    """Two saved scrapes (Prometheus text), ``seconds`` apart."""
+    return diagnose_window(Window(parse_metrics(before), parse_metrics(after), seconds, model), **knobs)
+
+
+def diagnose_url(url: str, window: float = 60.0, *, model: str | None = None, timeout: float = 10.0,
+                 **knobs) -> LiveDiagnosis:
+    """Scrape ``url``'s ``/metrics``, wait ``window`` seconds, scrape again, diagnose."""
+    if not isinstance(window, (int, float)) or isinstance(window, bool) or not window > 0:
+        raise ValueError(f"window must be a positive number of seconds, got {window!r}")
+    def timed_fetch():          # the scrape and the middle of the time it took
+        before = time.monotonic()
+        scrape = fetch_metrics(url, timeout)
+        return scrape, (before + time.monotonic()) / 2
+
+    first, start = timed_fetch()
+    time.sleep(window)
+    second, end = timed_fetch()
+    return diagnose_window(Window(first, second, end - start, model), url=url, **knobs)
+
+
+def diagnose_under_load(url: str, specs, window: float, warm: float = 1.0, **kwargs) -> LiveDiagnosis:
+    """Send ``specs`` to ``url`` open-loop (``tinyserve.serving.client.run_benchmark``) on
+    a thread; ``warm`` seconds in, ``diagnose_url`` a ``window`` of it; then hang up, so
+    that the server aborts the backlog instead of draining it (notebook 08, the tests)."""
+    loop = asyncio.new_event_loop()
+    load = loop.create_task(run_benchmark(url, specs, progress=False))
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(asyncio.wait([load]))
+        left = asyncio.all_tasks(loop)          # the requests still streaming
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+
+    thread = threading.Thread(target=run, name="tinyserve-load", daemon=True)
+    thread.start()
+    try:
+        time.sleep(warm)
+        return diagnose_url(url, window, **kwargs)
+    finally:
+        loop.call_soon_threadsafe(load.cancel)
+        thread.join()
+        loop.close()
