@@ -100,6 +100,14 @@ H100_SXM = HardwareSpec(
     memory_size=80e9,
     source="NVIDIA H100 datasheet, SXM column, dense (half the with-sparsity figures)",
 )
+# The same Ampere chip with the first, smaller HBM2 (same FLOP/s).
+A100_SXM_40GB = dataclasses.replace(
+    A100_SXM_80GB,
+    name="A100-SXM4-40GB",
+    memory_bandwidth=1555e9,
+    memory_size=40e9,
+    source="NVIDIA A100 datasheet, 40GB columns (1,555 GB/s), dense (fp32 without tensor cores)",
+)
 # The same Hopper chip as the H100 (same FLOP/s), with more and faster HBM.
 H200 = dataclasses.replace(
     H100_SXM,
@@ -189,6 +197,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "RTX_4090": RTX_4090,
     "L4": L4,
     "L40S": L40S,
+    "A100_SXM_40GB": A100_SXM_40GB,
 }
 
 
@@ -201,7 +210,13 @@ def get_hardware(name: str) -> HardwareSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the roofline needs to know about a decoder-only model."""
+    """What the roofline needs to know about a decoder-only model.
+
+    ``embedding_parameters`` is the input embedding table when it is not tied to
+    the output head: a step gathers only its tokens' rows of it, so it counts in
+    memory (``weight_bytes``) but is not streamed. The pure roofline ignores it;
+    ``tinyserve.sim.cost_model``'s calibrated models do not.
+    """
 
     name: str
     num_parameters: float
@@ -210,6 +225,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    embedding_parameters: float = 0.0
 
     @classmethod
     def from_config(cls, config, name: str = "custom") -> "ModelSpec":
@@ -217,7 +233,9 @@ class ModelSpec:
         return cls(name=name, num_parameters=config.num_parameters(),
                    hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
                    num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                   vocab_size=config.vocab_size)
+                   vocab_size=config.vocab_size,
+                   embedding_parameters=0 if config.tie_word_embeddings
+                   else config.vocab_size * config.hidden_size)
 
 
 # Parameter counts rounded the way the chapter rounds them (7e9 -> 14 GB in fp16).
@@ -228,7 +246,22 @@ LLAMA_13B = ModelSpec("Llama-13B", 13e9, hidden_size=5120, num_layers=40,
 LLAMA_70B = ModelSpec("Llama-70B", 70e9, hidden_size=8192, num_layers=80,
                       num_kv_heads=8, head_dim=128, vocab_size=32000)  # grouped-query attention
 
-MODELS: dict[str, ModelSpec] = {"LLAMA_7B": LLAMA_7B, "LLAMA_13B": LLAMA_13B, "LLAMA_70B": LLAMA_70B}
+
+# Open 7-8B checkpoints, counted exactly from their config.json (untied embeddings,
+# grouped-query attention); tests/test_cost_model.py rebuilds each count from the config.
+MISTRAL_7B = ModelSpec("Mistral-7B-v0.3", 7_248_023_552, hidden_size=4096, num_layers=32,
+                       num_kv_heads=8, head_dim=128, vocab_size=32768,
+                       embedding_parameters=32768 * 4096)
+LLAMA_3_8B = ModelSpec("Llama-3-8B", 8_030_261_248, hidden_size=4096, num_layers=32,
+                       num_kv_heads=8, head_dim=128, vocab_size=128256,
+                       embedding_parameters=128256 * 4096)        # Llama 3.1 8B has the same shapes
+QWEN2_5_7B = ModelSpec("Qwen2.5-7B", 7_615_616_512, hidden_size=3584, num_layers=28,
+                       num_kv_heads=4, head_dim=128, vocab_size=152064,
+                       embedding_parameters=152064 * 3584)
+
+MODELS: dict[str, ModelSpec] = {"LLAMA_7B": LLAMA_7B, "LLAMA_13B": LLAMA_13B, "LLAMA_70B": LLAMA_70B,
+                                "MISTRAL_7B": MISTRAL_7B, "LLAMA_3_8B": LLAMA_3_8B,
+                                "QWEN2_5_7B": QWEN2_5_7B}
 
 
 # --------------------------------------------------------------------------- roofline

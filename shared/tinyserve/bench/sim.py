@@ -1,6 +1,12 @@
 """Is the simulator right, and is it fast? ``python -m tinyserve.bench sim``.
 
-Fidelity: the real engine serves a small workload on this CPU in real time;
+Against real engines (``--fidelity``): published vLLM measurements on GPUs
+(``tinyserve/data/published_vllm.json``) replayed through the simulator with the
+pure roofline and with the calibrated ``"vllm-like"`` cost model, one table of
+source, setup, measured, both predictions and their errors (``--refit`` first
+fits the cost model again on the calibration half; it takes minutes).
+
+Against our own engine (the default): the real engine serves a small workload on this CPU in real time;
 the simulator serves the same workload with this CPU's *measured* spec, and
 the two are compared step time by step time, and on mean TTFT and TPOT.
 
@@ -163,6 +169,63 @@ def fidelity(preset: str = "cpu-bench", num_requests: int = 48, rate: float = 6.
     return result
 
 
+def setup_of(measurement: dict) -> str:
+    """One line: GPU, model, lengths, load."""
+    w = measurement["workload"]
+    if "input_lens" in w:
+        lengths = f"{len(w['input_lens'])}-request trace"
+    else:
+        out = w.get("output_len") or f"~{w['mean_output_len']}"
+        lengths = f"{w['num_prompts']} x {w['input_len']}->{out} tok"
+    load = f"C={w['max_concurrency']}" if "max_concurrency" in w else "all at t=0"
+    return f"{measurement['hardware']}, {measurement['model']}, {lengths}, {load}"
+
+
+def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
+    """The simulator against published vLLM measurements: every metric, measured and
+    predicted by the roofline and by ``cost_model``; held-out errors summarized."""
+    from tinyserve.sim.cost_model import get_cost_model
+    from tinyserve.sim.fidelity import FIT_METRICS, compare, measurements
+
+    model = get_cost_model(cost_model)
+    by_id = {m["id"]: m for m in measurements()}
+    rows = compare(("roofline", model))
+    name = model.name
+    if verbose:
+        print(f"Simulator vs published vLLM measurements (cost models: roofline, {name})")
+        if hasattr(model, "step_overhead"):
+            print(f"  {name}: {model.step_overhead * 1e3:.2f} ms/step + {model.seq_overhead * 1e6:.1f} us/seq, "
+                  f"weights at {model.weight_efficiency:.0%} and KV at {model.kv_efficiency:.0%} of bandwidth, "
+                  f"GEMMs at {model.gemm_efficiency:.0%} of peak (half at {model.gemm_half_tokens:.0f} tokens), "
+                  f"interference {model.interference:.2f}")
+        print(f"  {'split':<13}{'source':<24}{'setup':<58}{'metric':<19}{'measured':>10}"
+              f"{'roofline':>10}{'err':>7}{name:>11}{'err':>7}")
+        for r in rows:
+            print(f"  {r.split:<13}{r.source:<24}{setup_of(by_id[r.id]):<58}{r.metric:<19}{r.measured:>10.4g}"
+                  f"{r.predicted['roofline']:>10.4g}{100 * r.error('roofline'):>6.0f}%"
+                  f"{r.predicted[name]:>11.4g}{100 * r.error(name):>6.0f}%")
+    summary = {}
+    for split in ("calibration", "held-out"):
+        for kind, metrics in (("throughput", FIT_METRICS),
+                              ("median TTFT", ("median_ttft",))):
+            chosen = [r for r in rows if r.split == split and r.metric in metrics
+                      and by_id[r.id].get("engine_generation") is None]
+            if chosen:
+                summary[(split, kind)] = {c: max(abs(r.speed_error(c)) for r in chosen)
+                                          for c in ("roofline", name)}
+    if verbose:
+        print("  largest |error| on vLLM V1-era points (throughput: of the speed, i.e. output tok/s or "
+              "1 / latency; TTFT: of the time):")
+        for (split, kind), errors in summary.items():
+            print(f"    {split:<12}{kind:<13}roofline {100 * errors['roofline']:5.0f}%   "
+                  f"{name} {100 * errors[name]:5.0f}%")
+        old = [r for r in rows if by_id[r.id].get("engine_generation")]
+        for r in old:
+            print(f"    engine {by_id[r.id]['engine_generation']} ({r.id}, not in the goal): {r.metric} "
+                  f"roofline {100 * r.error('roofline'):+.0f}%, {name} {100 * r.error(name):+.0f}%")
+    return {"rows": rows, "summary": summary}
+
+
 def speed(num_requests: int = 10_000, rate: float = 16.0, verbose: bool = True) -> dict:
     """Wall time to simulate ``num_requests`` mixed requests of Llama-7B on an A100."""
     specs = make_workload("mixed", num_requests, rate=rate, seed=0)
@@ -185,9 +248,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rate", type=float, default=6.0, help="fidelity workload, requests/s")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--out", help="also write the fidelity comparison as JSON to this path")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="compare with published vLLM measurements on GPUs instead (no engine run)")
+    parser.add_argument("--refit", action="store_true",
+                        help="with --fidelity: fit the vllm-like cost model again first (minutes)")
 
 
 def main(args) -> None:
+    if args.fidelity:
+        model = "vllm-like"
+        if args.refit:
+            from tinyserve.sim.fidelity import fit
+            model = fit(verbose=True)
+            print(f"refitted: {model}")
+        published_fidelity(model)
+        return
     result = fidelity(args.preset, args.num_requests, args.rate)
     if args.out:
         import json

@@ -1,6 +1,8 @@
 """Serving at GPU scale on a laptop: the engine's own core loop on a virtual clock
-(``simulator``), priced by the roofline (``executor``); many replicas behind a
-router (``cluster``) with the routing policies the HTTP router uses (``routing``).
+(``simulator``), each step priced by a cost model (``executor``, ``cost_model``: the
+roofline, or one calibrated on published vLLM measurements, checked by ``fidelity``);
+many replicas behind a router (``cluster``) with the routing policies the HTTP
+router uses (``routing``).
 
     from tinyserve.sim import simulate
 """

@@ -3,8 +3,10 @@
 ``simulate`` runs the very ``EngineCore`` (scheduler and block manager) the
 engine runs, with the model replaced by ``sim.executor.SimExecutor``: instead
 of computing logits it returns how long the step would take on the given
-hardware, from the roofline of ``tinyserve.hardware``, and the clock jumps by
-that time. Arrivals, queueing, chunked prefill, preemption and prefix caching all
+hardware, from a cost model (by default the pure roofline of
+``tinyserve.hardware``; ``cost_model="vllm-like"`` is calibrated to published
+vLLM measurements, see ``sim.cost_model``), and the clock jumps by that time.
+Arrivals, queueing, chunked prefill, preemption and prefix caching all
 happen exactly as in the engine; only the arithmetic is skipped, so 10,000
 requests of a 7B model on an A100 take seconds, not hours.
 
@@ -12,10 +14,16 @@ requests of a 7B model on an A100 take seconds, not hours.
     from tinyserve.workload import make_workload
     result = simulate(make_workload("mixed", 1000, rate=20), hardware="A100_SXM_80GB")
     result.summary(ttft_slo=0.5, tpot_slo=0.05)
+
+``max_concurrency`` drives it as a closed loop, the way ``vllm bench serve
+--max-concurrency N`` does: at most N requests are in flight, and a request
+whose arrival time has come waits for a free slot; its TTFT counts from the
+moment it gets one.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -27,6 +35,7 @@ from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summar
 from tinyserve.request import Request, SamplingParams
 from tinyserve.policies import Policy
 from tinyserve.scheduler import SchedulerConfig
+from tinyserve.sim.cost_model import CostModel
 from tinyserve.sim.executor import SIM_TOKEN, SimExecutor
 from tinyserve.workload import RequestSpec, prompt_token_ids
 
@@ -154,7 +163,8 @@ class SimEngine:
                  num_kv_blocks: int | None = None, batching: str = "continuous",
                  policy: str | Policy = "fcfs", enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = False, max_model_len: int = 4096,
-                 overhead: float = 0.0, output_len_hint: bool = False,
+                 overhead: float = 0.0, cost_model: str | CostModel = "roofline",
+                 output_len_hint: bool = False,
                  record_batches: bool = False, check_invariants: bool = False):
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -164,7 +174,7 @@ class SimEngine:
             num_kv_blocks = default_num_kv_blocks(hardware, model, dtype, block_size)
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.virtual_clock = VirtualClock()
-        self.executor = SimExecutor(hardware, model, dtype, overhead, self.virtual_clock)
+        self.executor = SimExecutor(hardware, model, dtype, overhead, self.virtual_clock, cost_model)
         # Every step is kept: the summaries need the whole run.
         self.core = EngineCore(self.config, self.block_manager, self.executor, self.virtual_clock,
                                step_stats_window=None, record_batches=record_batches,
@@ -235,6 +245,7 @@ class SimEngine:
             outputs.append(SimOutput(str(index), spec, request_metrics(request), request.finish_reason))
         unfinished = sum(1 for o in outputs if o.metrics.finished_time is None)
         config = dict(hardware=self.hardware.name, model=self.model.name, dtype=self.dtype,
+                      cost_model=self.executor.cost_model.name,
                       **vars(self.config) | {"policy": self.scheduler.policy.name})
         return SimResult(outputs, list(self.steps), self.block_manager.num_blocks,
                          self.block_manager.prefix_cache_hit_rate, self.scheduler.num_preemptions,
@@ -243,27 +254,42 @@ class SimEngine:
 
 def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A100_SXM_80GB",
              model: ModelSpec | str = LLAMA_7B, dtype: str = "fp16", *,
-             max_time: float | None = None, **engine_kwargs) -> SimResult:
+             max_time: float | None = None, max_concurrency: int | None = None,
+             **engine_kwargs) -> SimResult:
     """Serve ``requests`` on simulated ``hardware`` with the real scheduler.
 
     ``engine_kwargs`` are ``SimEngine``'s: the engine's knobs with the engine's
     names and meanings (max_num_seqs, max_num_batched_tokens, block_size,
     num_kv_blocks, batching, policy, enable_chunked_prefill,
-    enable_prefix_caching, max_model_len), plus ``overhead`` (seconds added to
-    every step), ``output_len_hint=True`` (tell each request its true output
-    length: an oracle for shortest-job-first), ``record_batches`` (keep every
-    step's batch) and ``check_invariants`` (audit every KV block after every
-    step; slow, for tests). ``max_time`` stops the clock early (an overloaded
-    system never drains); requests not finished by then count as ``unfinished``.
+    enable_prefix_caching, max_model_len), plus ``cost_model`` (``"roofline"``,
+    the default, ``"vllm-like"`` or a ``sim.cost_model`` object), ``overhead``
+    (seconds added to every step), ``output_len_hint=True`` (tell each request
+    its true output length: an oracle for shortest-job-first), ``record_batches``
+    (keep every step's batch) and ``check_invariants`` (audit every KV block
+    after every step; slow, for tests). ``max_time`` stops the clock early (an
+    overloaded system never drains); requests not finished by then count as
+    ``unfinished``. ``max_concurrency`` keeps at most that many requests in
+    flight (a closed loop, as ``vllm bench serve --max-concurrency``).
     """
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
     hardware, model = resolve_hardware_and_model(hardware, model)
     engine = SimEngine(hardware, model, dtype, **engine_kwargs)
     for index, spec in enumerate(requests):
         engine.check_fits(spec, str(index))
+    # The times at which a client slot frees up; an open loop has one per request.
+    free_slots = [0.0] * (max_concurrency or len(requests))
     for index, spec in sorted(enumerate(requests), key=lambda pair: pair[1].arrival):
         if max_time is not None and spec.arrival >= max_time:
             break
-        engine.advance_to(spec.arrival)
-        engine.add(spec, str(index))
+        for done in engine.advance_to(spec.arrival):
+            heapq.heappush(free_slots, done.finished_time)
+        while not free_slots:
+            for done in engine.step():
+                heapq.heappush(free_slots, done.finished_time)
+        arrival = max(spec.arrival, heapq.heappop(free_slots))
+        if max_time is not None and arrival >= max_time:
+            break
+        engine.add(spec, str(index), arrival=arrival)
     engine.drain(max_time)
     return engine.result(requests)

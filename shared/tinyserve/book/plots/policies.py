@@ -1,15 +1,18 @@
 """Figures for notebook 06 (scheduling policies): empirical CDFs (of TTFT,
 TPOT, or inter-token gaps, as notebook 08 uses it), starvation against aging,
 per-policy metric bars, the goodput heatmap, the one-run scheduling dashboard
-behind ``widgets.scheduling_playground``, and simulator-vs-engine fidelity.
+behind ``widgets.scheduling_playground``, simulator-vs-engine fidelity, and the
+simulator's cost models against published vLLM measurements.
 """
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.sim.fidelity import FIT_METRICS
 
 
 def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requests",
@@ -22,17 +25,29 @@ def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requ
     the x axis (``scale=1e3`` to show seconds in ms).
     """
     ax = ensure_axes(ax, (5, 3.5))
+    span = []
     for i, (label, values) in enumerate(series.items()):
         v = np.sort(np.asarray([x for x in values if x is not None], dtype=float)) * scale
         if v.size:
             ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=f"C{i}", lw=1.5, label=label)
+            span += [v[0], v[-1]]
     for label, x in (marks or {}).items():
         ax.axvline(x * scale, color="gray", ls=":", lw=1)
-        ax.annotate(label, (x * scale, 0.03), fontsize=7, color="gray", rotation=90, ha="right")
+        ax.annotate(label, (x * scale, 0.5), fontsize=7, color="gray", ha="center", va="center",
+                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
     if log:
         ax.set_xscale("log")
+        # Plain numbers, not "3x10^1"; within less than two decades also 2x and 5x.
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        narrow = span and min(span) > 0 and max(span) / min(span) < 100
+        ax.xaxis.set_minor_formatter(FuncFormatter(_two_and_five) if narrow else NullFormatter())
     ax.set_ylim(0, 1.02)
     return finish(ax, title, xlabel=xlabel, ylabel=ylabel, title_size=10, grid="both")
+
+
+def _two_and_five(value, _):
+    mantissa = round(value / 10 ** np.floor(np.log10(value)))
+    return f"{value:g}" if mantissa in (2, 5) else ""
 
 
 def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=None, ax=None,
@@ -126,6 +141,7 @@ def scheduling_dashboard(result, label=None, axes=None, ttft_slo=None, tpot_slo=
     for i, (k, r) in enumerate(runs.items()):
         axes[2].step([s.start for s in r.steps], [s.num_waiting for s in r.steps], where="post",
                      color=f"C{i}", lw=1.2, label=k)
+    axes[2].set_ylim(bottom=0)
     finish(axes[2], "Queue length", xlabel="simulated time (s)", ylabel="requests waiting", title_size=10)
     axes[0].figure.tight_layout()
     return axes
@@ -149,3 +165,38 @@ def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine (this CPU
     ax.set_title(title)
     ax.legend(fontsize=8, loc="lower right")
     return ax
+
+
+def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
+    """Left: output throughput of a concurrency sweep (``sweep`` maps concurrency to a
+    measurement id), measured and predicted by each cost model. Right: predicted /
+    measured for every throughput-like metric (rows from ``sim.fidelity.compare``),
+    the ``band`` shaded. Latency metrics are inverted so that > 1 always means
+    "predicted faster than measured"."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=90, gridspec_kw={"width_ratios": [1, 1.6]})
+    models = list(rows[0].predicted)
+    by = {(r.id, r.metric): r for r in rows}
+    conc = sorted(sweep)
+    axes[0].plot(conc, [by[sweep[c], "output_throughput"].measured for c in conc], "ko", label="measured")
+    for i, name in enumerate(models):
+        axes[0].plot(conc, [by[sweep[c], "output_throughput"].predicted[name] for c in conc],
+                     "--" if name == "roofline" else "-", color=f"C{i}", label=name)
+    finish(axes[0], "RTX 4090, Mistral-7B, 256 in", xlabel="max concurrency", ylabel="output tokens/s",
+           title_size=10)
+    speed = [r for r in rows if r.metric in FIT_METRICS]
+    x = np.arange(len(speed))
+    width = 0.8 / len(models)
+    for i, name in enumerate(models):
+        ratio = [1 + r.speed_error(name) for r in speed]
+        axes[1].bar(x + (i - (len(models) - 1) / 2) * width, ratio, width, color=f"C{i}", label=name)
+    axes[1].axhspan(1 - band, 1 + band, color="grey", alpha=0.15, label=f"within {band:.0%}")
+    axes[1].axhline(1, color="k", lw=0.8)
+    labels = [f"{r.id.replace('-mistral7b', '').replace('-llama3-8b', '')}\n({r.split})" for r in speed]
+    axes[1].set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
+    axes[1].set_ylabel("predicted speed / measured")
+    axes[1].set_title("Every throughput-like point", fontsize=10)
+    axes[1].legend(fontsize=7, loc="upper left")
+    axes[1].grid(alpha=0.3, axis="y")
+    axes[0].figure.tight_layout()
+    return axes
