@@ -145,7 +145,7 @@ def _compiled_into(x, residual, weight, eps, out, new_residual):
 
 
 def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
-              dtype: torch.dtype = torch.bfloat16) -> tuple[float, list[dict]]:
+              dtype: torch.dtype = torch.bfloat16, gemm_n: int = 0) -> tuple[float, list[dict]]:
     """add + RMSNorm, eager unfused against ``torch.compile``, two ways each.
 
     Rows are chosen so the fused variant moves ``gib`` GiB per call.
@@ -160,6 +160,11 @@ def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
 
     The default dtype is bfloat16, as LLMs are served; its unfused chain
     also pays for the fp32 copies made to normalise in full precision.
+
+    ``gemm_n`` > 0 adds three rows with reused buffers: the GEMM that reads the
+    normalised rows (``[rows, hidden] @ [hidden, gemm_n]``, as the next layer's
+    projection does) alone, then after the eager and after the compiled norm. Their
+    ``flops`` say how much arithmetic sits next to the memory-bound norm.
     """
     shape, x, res, w = _cpu_inputs(gib, hidden, dtype)
     eps = 1e-5
@@ -171,15 +176,29 @@ def bench_cpu(gib: float = 1.0, repeats: int = 5, hidden: int = HIDDEN,
 
     src = torch.ones(int(gib * GiB) // 4, dtype=torch.float32)
     dst = torch.zeros_like(src)               # touched, so no page faults inside the timing
-    t = interleaved_medians({
+    fns = {
         "copy": lambda: dst.copy_(src),
         "eager, reused buffers": lambda: _eager_into(x, res, w, eps, buf),
         "compile, reused buffers": lambda: compiled_into(x, res, w, eps, out, new_res),
         "eager, allocating": lambda: K.add_rmsnorm_unfused(x, res, w, eps),
         "compile, allocating": lambda: compiled(x, res, w, eps),
-    }, repeats)
+    }
+    if gemm_n:
+        proj_w = (torch.randn(hidden, gemm_n, generator=torch.Generator().manual_seed(1))
+                  / math.sqrt(hidden)).to(dtype)
+        proj = torch.empty(shape[0], gemm_n, dtype=dtype)
+        fns.update({
+            "GEMM alone": lambda: torch.matmul(out, proj_w, out=proj),
+            "eager + GEMM": lambda: torch.matmul(_eager_into(x, res, w, eps, buf)[0], proj_w, out=proj),
+            "compile + GEMM": lambda: (compiled_into(x, res, w, eps, out, new_res),
+                                       torch.matmul(out, proj_w, out=proj)),
+        })
+    t = interleaved_medians(fns, repeats)
     copy_gbps = 2 * src.numel() * 4 / t["copy"] / 1e9
-    return copy_gbps, _cpu_rows(t, shape, dtype, copy_gbps)
+    rows = _cpu_rows(t, shape, dtype, copy_gbps)
+    if gemm_n:
+        rows += _gemm_rows(t, shape, dtype, gemm_n, copy_gbps)
+    return copy_gbps, rows
 
 
 def _cpu_inputs(gib: float, hidden: int, dtype: torch.dtype):
@@ -229,6 +248,25 @@ def _cpu_rows(t: dict, shape, dtype, copy_gbps: float) -> list[dict]:
         results.append(row("add_rmsnorm", f"compile, {mode}", shape, dtype, fused,
                            t[f"compile, {mode}"], copy_gbps, base))
     return results
+
+
+def _gemm_rows(t: dict, shape, dtype, gemm_n: int, copy_gbps: float) -> list[dict]:
+    """The GEMM after the norm: alone, then after each norm; bytes and FLOPs of what each moves and does."""
+    rows_, hidden = shape
+    size = torch.empty((), dtype=dtype).element_size()
+    gemm_bytes = (rows_ * hidden + hidden * gemm_n + rows_ * gemm_n) * size
+    flops = 2 * rows_ * hidden * gemm_n
+    gemm_shape = (rows_, hidden, gemm_n)
+    alone = row("gemm", "GEMM alone", gemm_shape, dtype, gemm_bytes, t["GEMM alone"], copy_gbps)
+    eager = row("add_rmsnorm + gemm", "eager + GEMM", gemm_shape, dtype,
+                K.bytes_moved("add_rmsnorm", "unfused", shape, dtype) + gemm_bytes,
+                t["eager + GEMM"], copy_gbps, t["eager + GEMM"])
+    fused = row("add_rmsnorm + gemm", "compile + GEMM", gemm_shape, dtype,
+                K.bytes_moved("add_rmsnorm", "fused", shape, dtype) + gemm_bytes,
+                t["compile + GEMM"], copy_gbps, t["eager + GEMM"])
+    for r in (alone, eager, fused):
+        r["flops"] = flops
+    return [alone, eager, fused]
 
 
 # ---- GPU: eager torch vs Triton ----------------------------------------------------------

@@ -28,10 +28,10 @@ from tinyserve.book.plots.journey import (  # noqa: F401
 )
 from tinyserve.book.plots.policies import (  # noqa: F401
     cdf, starvation_vs_aging, metric_bars, goodput_heatmap, scheduling_dashboard,
-    simulator_vs_engine,
+    simulator_vs_engine, cost_models_vs_published,
 )
 from tinyserve.book.plots.orchestration import (  # noqa: F401
-    routing_policy_bars, routing_vs_replicas, disaggregation_bars, kv_transfer_scatter,
+    layer_trace, routing_policy_bars, routing_vs_replicas, disaggregation_bars, kv_transfer_scatter,
 )
 from tinyserve.book.plots.tuning import (  # noqa: F401
     plot_before_after, plot_waiting_queue, plot_capacity,

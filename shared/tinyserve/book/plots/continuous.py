@@ -137,5 +137,5 @@ def step_cost_fit(points, model, ax=None, xlabel="tokens in the step"):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
     return ax

@@ -100,7 +100,7 @@ def itl_spikes(series, arrival_step=None, predicted=None, ax=None,
     ax.set_ylabel("ITL (ms)")
     ax.set_yscale("log")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
     return ax
 
 
@@ -141,5 +141,7 @@ def tokenizer_vs_engine(concurrency, engine_rates, tokenizer_rate, ax=None,
         ax.axhline(rate, color="black", ls=ls, lw=1.2, label=f"1 tokenizer thread: {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    return finish(ax, title, xlabel="concurrent prompts in one step", ylabel="prompt tokens / s",
-                  grid="both", legend=7)
+    finish(ax, title, xlabel="concurrent prompts in one step", ylabel="prompt tokens / s",
+           grid="both", legend=None)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the data
+    return ax

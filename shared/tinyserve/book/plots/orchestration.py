@@ -1,4 +1,5 @@
-"""Figures for notebook 07 (engines and orchestration): routing policies'
+"""Figures for notebook 07 (engines and orchestration): one request traced
+through the four software layers, routing policies'
 prefix-cache hit rates and TTFT, how they change as the fleet grows,
 colocated vs disaggregated prefill/decode pools, and the KV transfer gap of a
 disaggregated request (also used by the routing lab check).
@@ -10,6 +11,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from tinyserve.book.plots.common import ensure_axes, finish
+
+
+def layer_trace(rows, ax=None, title="One request through the four layers", xlabel="ms"):
+    """One lane per layer, top to bottom: ``rows`` is {label: [(start_ms, end_ms), ...]}."""
+    ax = ensure_axes(ax, (9, 3.2))
+    colors = plt.get_cmap("tab10")
+    for y, (label, spans) in enumerate(rows.items()):
+        ax.broken_barh([(a, max(b - a, 1e-3)) for a, b in spans], (y - 0.35, 0.7),
+                       facecolor=colors(y % 10), edgecolor="black", linewidth=0.2)
+    ax.set_yticks(range(len(rows)), list(rows))
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    return finish(ax, title, xlabel=xlabel, grid="x", legend=None)
 
 
 def routing_policy_bars(policies, hit_rates, ttft_ms, predicted_hit=None, axes=None,
