@@ -71,6 +71,10 @@ class CompiledDecode:
         if mode == "default":
             mode = None if self.on_cpu else "reduce-overhead"     # a CUDA graph per bucket
         self.forward = torch.compile(model.forward, dynamic=False, mode=mode)
+        # Freezing (CPU): weights become constants, packed once per bucket. One thread in
+        # Inductor's own C++ kernels: they are small elementwise loops, and their OpenMP
+        # threads, spinning after each loop, would take the cores from the GEMMs'.
+        self.inductor_options = {"freezing": True, "cpp.threads": 1} if self.on_cpu else {}
         self.compile_seconds: dict[int, float] = {}
         self.steps_run = 0              # decode steps that ran on a graph (padding excluded)
 
@@ -94,6 +98,11 @@ class CompiledDecode:
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], context_lens: list[int], bucket: int) -> torch.Tensor:
         """Logits of the ``len(ids)`` decode rows, computed as a batch of ``bucket``."""
+        return self.replay(self.pack(ids, positions, slots, tables, context_lens, bucket))
+
+    def pack(self, ids: list[int], positions: list[int], slots: list[int],
+             tables: list[list[int]], context_lens: list[int], bucket: int):
+        """The graph's inputs: the rows padded to ``bucket``, the tables to the widest."""
         n, pad = len(ids), bucket - len(ids)
         dev = self.device
         table = torch.zeros(bucket, self.width, dtype=torch.long)
@@ -106,9 +115,15 @@ class CompiledDecode:
             decode_context_lens=lens, padded=True)
         inputs = (torch.tensor(ids + [0] * pad, device=dev),
                   torch.tensor(positions + [0] * pad, device=dev))
-        # Freezing is read when a graph is compiled; patching each call keeps a
-        # recompile from silently compiling without it.
-        with torch._inductor.config.patch(freezing=self.on_cpu):
+        return n, inputs, meta
+
+    def replay(self, packed) -> torch.Tensor:
+        """Run the bucket's graph on ``pack``'s output; the logits of the real rows."""
+        n, inputs, meta = packed
+        # Freezing is read when a graph is compiled, and only applies with autograd off
+        # where the call is made; patching each call keeps a recompile from silently
+        # compiling without it.
+        with torch.inference_mode(), torch._inductor.config.patch(self.inductor_options):
             logits = self.forward(*inputs, meta, self.kv_cache, None)
         self.steps_run += 1
         return logits[:n]

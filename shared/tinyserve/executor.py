@@ -77,10 +77,10 @@ class ModelExecutor:
 
         bucket = self._bucket(items)
         if bucket is not None:
-            logits = self.graphs.run(ids, positions, slots, [i.block_table for i in items],
-                                     [i.request.num_computed_tokens + 1 for i in items], bucket)
+            packed = self.graphs.pack(ids, positions, slots, [i.block_table for i in items],
+                                      [i.request.num_computed_tokens + 1 for i in items], bucket)
             self.last_prepare_time = time.perf_counter() - started
-            return self._sample(logits, sample_items)
+            return self._sample(self.graphs.replay(packed), sample_items)
         meta = self._metadata(items, slots)
         dev = self.device
         inputs = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
