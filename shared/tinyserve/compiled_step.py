@@ -76,7 +76,7 @@ class CompiledDecode:
         # threads, spinning after each loop, would take the cores from the GEMMs'.
         self.inductor_options = {"freezing": True, "cpp.threads": 1} if self.on_cpu else {}
         self.compile_seconds: dict[int, float] = {}
-        self.steps_run = 0              # decode steps that ran on a graph (padding excluded)
+        self.steps_run = 0              # decode steps that ran on a graph
 
     @property
     def max_batch(self) -> int:
