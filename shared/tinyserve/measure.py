@@ -5,17 +5,26 @@ dtype (FLOP/s) and returns them as a ``hardware.HardwareSpec``, so the roofline
 of ``tinyserve.hardware`` can predict this machine's crossover.
 ``fit_knee`` / ``find_knee`` locate the crossover in a measured curve of step
 time against batch size: a flat-then-linear hinge, fitted by least squares.
+
+The discipline every timing in the book follows is here too, in one place:
+``median_time`` (warm-up, then the median of repeats), ``paired_ratio`` (A and B
+interleaved, the median of per-pair ratios, with their spread, so a busy moment
+slows both sides of a pair alike), ``fixed_threads`` and ``this_machine`` (what a
+number was measured on: CPU model, cores, L3, copy bandwidth, versions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.metadata
 import math
 import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -30,6 +39,33 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "CPU"
+
+
+def l3_cache_bytes() -> int | None:
+    """This CPU's last-level cache in bytes (summed over instances), or None if unknown."""
+    try:
+        sizes = {}
+        base = "/sys/devices/system/cpu"
+        for cpu in sorted(os.listdir(base)):
+            cache = os.path.join(base, cpu, "cache")
+            if not cpu.startswith("cpu") or not os.path.isdir(cache):
+                continue
+            for index in os.listdir(cache):
+                folder = os.path.join(cache, index)
+                if not index.startswith("index"):
+                    continue
+                with open(os.path.join(folder, "level")) as f:
+                    if f.read().strip() != "3":
+                        continue
+                with open(os.path.join(folder, "shared_cpu_list")) as f:
+                    shared = f.read().strip()
+                with open(os.path.join(folder, "size")) as f:
+                    text = f.read().strip().upper()
+                scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+                sizes[shared] = int(text.rstrip("KMG")) * scale
+        return sum(sizes.values()) or None
+    except (OSError, ValueError):
+        return None
 
 
 def _host_memory() -> float:
@@ -48,6 +84,139 @@ def _median_time(fn, sync, seconds: float, min_reps: int = 3) -> float:
     while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < 50):
         times.append(fn())
     return statistics.median(times)
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+                sync: Callable[[], None] | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
+    if repeats < 1:
+        raise ValueError(f"repeats: need at least 1, got {repeats}")
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """``time(a) / time(b)`` over interleaved pairs: the median, and the spread of the ratios."""
+
+    median: float
+    low: float        # the second-smallest ratio (the smallest for fewer than 5 pairs)
+    high: float       # the second-largest ratio
+    ratios: tuple[float, ...]
+    seconds_a: float  # median time of a
+    seconds_b: float  # median time of b
+
+    @property
+    def spread(self) -> float:
+        """(high - low) / median: how much one run of this machine can be trusted."""
+        return (self.high - self.low) / self.median if self.median else math.inf
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x (pairs {self.low:.2f}-{self.high:.2f}, n={len(self.ratios)})"
+
+
+def paired_ratio(a: Callable[[], object], b: Callable[[], object], pairs: int = 7,
+                 warmup: int = 1, sync: Callable[[], None] | None = None) -> PairedRatio:
+    """How many times slower ``a`` is than ``b``, measured robustly on a busy machine.
+
+    Each pair times ``a`` and ``b`` back to back, in alternating order (ABBA...), so
+    a slow moment of the machine slows both members of a pair and drift cancels;
+    the result is the median of the per-pair ratios, not a ratio of best times.
+    """
+    if pairs < 1:
+        raise ValueError(f"pairs: need at least 1, got {pairs}")
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        a(), b()
+    sync()
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    ta, tb = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            ta.append(timed(a)), tb.append(timed(b))
+        else:
+            tb.append(timed(b)), ta.append(timed(a))
+    ratios = sorted(x / y for x, y in zip(ta, tb))
+    k = 1 if len(ratios) >= 5 else 0
+    return PairedRatio(statistics.median(ratios), ratios[k], ratios[-1 - k], tuple(ratios),
+                       statistics.median(ta), statistics.median(tb))
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int | None = None):
+    """Run the block with torch on ``n`` threads (default: the usable cores), then restore."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or usable_cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a result was measured on."""
+
+    cpu: str
+    cores: int
+    l3_bytes: int | None
+    copy_bandwidth: float     # bytes/s, a 256 MiB copy (read + write)
+    gpu: str | None
+    torch: str
+    triton: str
+    date: str
+
+    def __str__(self) -> str:
+        l3 = f"{self.l3_bytes / 2**20:.0f} MiB L3" if self.l3_bytes else "L3 unknown"
+        gpu = f" | GPU {self.gpu}" if self.gpu else ""
+        return (f"machine: {self.cpu}, {self.cores} cores, {l3}, copy {self.copy_bandwidth / 1e9:.1f} GB/s"
+                f"{gpu} | torch {self.torch}, triton {self.triton} | {self.date}")
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def this_machine(copy_mib: int = 256) -> Machine:
+    """The machine at hand, with its copy bandwidth measured now (about 0.3 s)."""
+    import torch
+
+    src = torch.ones(copy_mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / median_time(lambda: dst.copy_(src), repeats=5)
+    del src, dst
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return Machine(cpu=cpu_name(), cores=usable_cores(), l3_bytes=l3_cache_bytes(),
+                   copy_bandwidth=bandwidth, gpu=gpu, torch=torch.__version__,
+                   triton=_version("triton"),
+                   date=datetime.datetime.now().isoformat(timespec="seconds"))
 
 
 def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = None,
