@@ -17,11 +17,12 @@ HIDE_SOLUTIONS ?=
 HIDDEN := solutions __pycache__ *.pyc *.pyo .DS_Store *~
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
+.PHONY: help venv install lab test claims demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
 	@echo "make test     run every test: unit tests, notebooks (nbval), labs checks"
+	@echo "make claims   every claim of the chapter measured on this machine, one verdict table (+ claims.json)"
 	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.book.demo)"
 	@echo "make bench    fused vs unfused kernels on this machine, one table"
 	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
@@ -54,9 +55,13 @@ lab: $(STAMP)
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(OPEN)
 
 # One pytest run. --nbval-current-env runs notebooks with this venv's python,
-# whatever kernel a machine has installed globally.
+# whatever kernel a machine has installed globally. Claims are strict here: a claim
+# that fails is measured again, and fails the run only if it fails every time.
 test: $(STAMP)
-	$(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
+	TINYSERVE_CLAIMS=strict $(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
+
+claims: $(STAMP)
+	$(PY) -m tinyserve.book.claims --json claims.json
 
 demo: $(STAMP)
 	$(PY) -m tinyserve.book.demo
