@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tinyserve import LLM, SamplingParams
+from tinyserve import compiled_step
 from tinyserve.compiled_step import capture_sizes_for, prepacked_linear
 
 # Small enough that a long prompt is chunked and the cache runs out (preemption);
@@ -33,7 +34,37 @@ def workload(seed=0, n=12):
 
 @pytest.fixture(scope="module")
 def compiled():
-    return LLM(**ENGINE, enforce_eager=False)
+    # Every bucket on its graph, whichever path is faster here: these tests are about the graphs.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled_step, "CHOOSE_FASTER", False)
+        return LLM(**ENGINE, enforce_eager=False)
+
+
+def test_a_bucket_whose_graph_is_slower_than_eager_runs_eagerly(monkeypatch):
+    # Pretend bucket 2's graph lost to eager at start: batches of 2 then run eagerly,
+    # batches of 1 and 4 on their graphs, and the tokens are the same.
+    measured = {1: 1.3, 2: 0.8, 4: 1.1}
+    monkeypatch.setattr(compiled_step.CompiledDecode, "time_against_eager",
+                        lambda self, size, pairs=compiled_step.CHOICE_PAIRS: measured[size])
+    llm = LLM(**ENGINE, enforce_eager=False)
+    graphs = llm.engine.executor.graphs
+    assert graphs.choices == {1: "compiled", 2: "eager", 4: "compiled"}
+    assert [graphs.bucket(b) for b in (1, 2, 3, 4, 5)] == [1, None, 4, 4, None]
+    assert "B=2: eager (0.80x)" in graphs.describe()
+    pair = [[5, 6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = graphs.steps_run
+    got = [o.token_ids for o in llm.generate(pair, params)]
+    assert graphs.steps_run == before          # every decode step had 2 rows: eager
+    assert got == [o.token_ids for o in LLM(**ENGINE).generate(pair, params)]
+
+
+def test_the_choice_at_start_is_a_measured_ratio_for_every_bucket():
+    graphs = LLM(**ENGINE, enforce_eager=False).engine.executor.graphs
+    assert set(graphs.speedups) == set(graphs.sizes)
+    assert all(0 < r < float("inf") for r in graphs.speedups.values())
+    assert all(graphs.choices[s] == ("compiled" if graphs.speedups[s] >= 1.0 else "eager")
+               for s in graphs.sizes)
 
 
 def test_compiled_greedy_tokens_equal_eager_under_batching_chunking_caching_preemption(compiled):

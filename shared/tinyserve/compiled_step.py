@@ -17,6 +17,13 @@ graph as one opaque op (``model.padded_decode_attention``), since its cost
 depends on contexts that grow every step. Every bucket is compiled at start
 (``warm_up``), so no request waits for a compile. Prefill and mixed steps stay
 eager.
+
+A compiled graph is not faster everywhere: MKL's packed GEMM, which freezing
+uses for fp32 on x86, is fast on an Intel Xeon and slow at small batches on an
+AMD EPYC, where plain eager can win. So after compiling, ``warm_up`` times each
+bucket's graph against the eager forward on the same inputs (interleaved pairs,
+``measure.paired_ratio``) and keeps the faster one (``choices``, printed by
+``describe``): ``enforce_eager=False`` is then never slower than eager.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import warnings
 
 import torch
 
+from tinyserve.measure import paired_ratio
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
 
 # vLLM's default capture sizes start 1, 2, 4, 8, then go in steps of 8; powers of two
@@ -37,6 +45,11 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # entry of LlamaForServing.forward. The default limit (8) would silently send the
 # second engine of a notebook back to eager.
 MIN_RECOMPILE_LIMIT = 256
+
+# After compiling, keep a bucket's graph only where it beats the eager forward
+# (tests of the compiled path itself turn this off).
+CHOOSE_FASTER = True
+CHOICE_PAIRS = 5     # interleaved eager/graph pairs per bucket: about 10 steps each
 
 
 def capture_sizes_for(max_num_seqs: int, sizes=CAPTURE_SIZES) -> tuple[int, ...]:
@@ -76,6 +89,9 @@ class CompiledDecode:
         # threads, spinning after each loop, would take the cores from the GEMMs'.
         self.inductor_options = {"freezing": True, "cpp.threads": 1} if self.on_cpu else {}
         self.compile_seconds: dict[int, float] = {}
+        # bucket -> eager time / graph time measured at start (> 1: the graph is faster)
+        self.speedups: dict[int, float] = {}
+        self.choices: dict[int, str] = {s: "compiled" for s in self.sizes}
         self.steps_run = 0              # decode steps that ran on a graph
 
     @property
@@ -83,17 +99,42 @@ class CompiledDecode:
         return self.sizes[-1]
 
     def bucket(self, batch: int) -> int | None:
-        """The smallest bucket that holds ``batch`` rows (None: run eagerly)."""
-        return next((s for s in self.sizes if s >= batch), None)
+        """The smallest bucket that holds ``batch`` rows, if its graph is the faster
+        path (None: run eagerly)."""
+        size = next((s for s in self.sizes if s >= batch), None)
+        return size if size is not None and self.choices[size] == "compiled" else None
 
     def warm_up(self) -> float:
-        """Compile every bucket now (padding rows only); total seconds."""
+        """Compile every bucket now (padding rows only), then choose per bucket between
+        its graph and the eager forward; total compile seconds."""
         for size in self.sizes:
             started = time.perf_counter()
             self.run([], [], [], [], [], size)
             self.compile_seconds[size] = time.perf_counter() - started
+        if CHOOSE_FASTER:
+            for size in self.sizes:
+                self.speedups[size] = self.time_against_eager(size)
+                self.choices[size] = "compiled" if self.speedups[size] >= 1.0 else "eager"
         self.steps_run = 0
         return sum(self.compile_seconds.values())
+
+    def time_against_eager(self, size: int, pairs: int = CHOICE_PAIRS) -> float:
+        """Eager seconds / graph seconds of one decode step of ``size`` rows, the two
+        interleaved on the same inputs (the median of ``pairs`` paired ratios)."""
+        packed = self.pack([], [], [], [], [], size)
+        _, inputs, meta = packed
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+
+        def eager():
+            return self.model.forward(*inputs, meta, self.kv_cache, None)
+
+        return paired_ratio(eager, lambda: self.replay(packed), pairs=pairs, sync=sync).median
+
+    def describe(self) -> str:
+        """One line: which path each bucket runs, and the speed-up measured at start."""
+        parts = [f"B={s}: {self.choices[s]}" + (f" ({self.speedups[s]:.2f}x)" if s in self.speedups else "")
+                 for s in self.sizes]
+        return "decode step per bucket (eager time / graph time): " + ", ".join(parts)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], context_lens: list[int], bucket: int) -> torch.Tensor:
