@@ -186,18 +186,32 @@ def compile_decode(model: LlamaForServing, kv_cache: KVCache, max_blocks_per_seq
     return graphs
 
 
-def prepacked_linear(weight: torch.Tensor, batch: int):
-    """``x -> x @ weight.T`` for exactly ``batch`` rows through MKL's packed GEMM, the
-    kernel Inductor's freezing puts in a compiled CPU graph, without compiling.
+PACKED_PATHS = ("mkl", "onednn")
+
+
+def prepacked_linear(weight: torch.Tensor, batch: int, path: str = "mkl"):
+    """``x -> x @ weight.T`` for exactly ``batch`` rows through a packed GEMM, without
+    compiling: ``path="mkl"`` is MKL's packed GEMM, the kernel Inductor's freezing puts
+    in a compiled CPU graph; ``"onednn"`` is oneDNN's (``mkldnn._linear_pointwise``),
+    which is the faster of the two on some CPUs (AMD EPYC) at small batches.
 
     The weight ``[out, in]`` is packed once (a copy about its own size) for that
     batch; a plain ``F.linear`` re-packs it on every call, which is why eager small
-    batches sit above the weight-read floor. Returns None where this torch has no
-    MKL (ARM, some builds) or the weight is not fp32 on a CPU: use ``F.linear``."""
-    mkl = getattr(torch.ops, "mkl", None)
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32
-            or not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear")):
+    batches sit above the weight-read floor. Returns None where this torch lacks the
+    path (ARM, some builds) or the weight is not fp32 on a CPU: use ``F.linear``."""
+    if path not in PACKED_PATHS:
+        raise ValueError(f"path: {path!r} is not one of {PACKED_PATHS}")
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     weight = weight.contiguous()
+    if path == "onednn":
+        dnn = getattr(torch.ops, "mkldnn", None)
+        if not torch.backends.mkldnn.is_available() or not hasattr(dnn, "_linear_pointwise"):
+            return None
+        packed = dnn._reorder_linear_weight(weight, batch)
+        return lambda x: dnn._linear_pointwise(x, packed, None, "none", [], "")
+    mkl = getattr(torch.ops, "mkl", None)
+    if not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear"):
+        return None
     packed = mkl._mkl_reorder_linear_weight(weight, batch)
     return lambda x: mkl._mkl_linear(x, packed, weight, None, batch)

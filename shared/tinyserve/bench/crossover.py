@@ -50,7 +50,7 @@ import torch
 
 from tinyserve import hardware as hwm
 from tinyserve import measure
-from tinyserve.compiled_step import prepacked_linear
+from tinyserve.compiled_step import PACKED_PATHS, prepacked_linear
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLP_RATIO = 11008 / 4096          # Llama-7B's intermediate / hidden
@@ -144,14 +144,16 @@ class GemmStack:
     def release(self) -> None:
         self._ins, self._outs = {}, {}
 
-    def step_fn(self, batch: int, prepack: bool = False):
+    def step_fn(self, batch: int, prepack: bool | str = False):
         """One step at ``batch`` rows. ``prepack`` (CPU fp32): every weight packed once for
         this batch, as a compiled engine's graph holds it (``compiled_step.prepacked_linear``;
-        a copy of the weights per call of step_fn), instead of re-packed on every call."""
+        a copy of the weights per call of step_fn), instead of re-packed on every call;
+        True or "mkl" for MKL's packed GEMM, "onednn" for oneDNN's."""
         if not self._ins or next(iter(self._ins.values())).shape[0] < batch:
             self.reserve(batch)
         xs = [self._ins[w.shape[0]][:batch] for w in self.weights]
-        packed = [prepacked_linear(w.t(), batch) for w in self.weights] if prepack else []
+        path = "mkl" if prepack is True else prepack
+        packed = [prepacked_linear(w.t(), batch, path) for w in self.weights] if prepack else []
         if packed and all(packed):
             def step():
                 for x, layer in zip(xs, packed):
@@ -225,6 +227,54 @@ def sweep_gemm_stack(stack: GemmStack, batch_sizes, repeats: int = 3,
             times = best
     stack.release()
     return times
+
+
+def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: int = 64) -> list[dict]:
+    """CPU: at each batch size, the packed step against the eager one, interleaved.
+
+    The packed step uses whichever packed GEMM is faster on this CPU at that batch
+    (MKL's or oneDNN's, two interleaved pairs decide); then, up to ``eager_up_to``,
+    eager and packed alternate for ``pairs`` pairs (``measure.paired_ratio``), so a
+    busy moment slows both. Past it only the packed step is timed (the median of
+    ``pairs``): the large batches are there for the compute slope, and eager steps
+    there cost seconds. Each row: ``batch``, ``path``, ``packed_s``, ``eager_s``
+    (medians; NaN past ``eager_up_to``) and ``ratio`` (the ``PairedRatio`` eager /
+    packed, or None).
+    """
+    paths = [p for p in PACKED_PATHS if prepacked_linear(torch.zeros(1, 1), 1, p) is not None]
+    rows = []
+    stack.reserve(max(int(b) for b in batch_sizes))
+    with torch.inference_mode():
+        for b in (int(b) for b in batch_sizes):
+            eager = stack.step_fn(b)
+            path = paths[0] if paths else "eager"
+            packed = stack.step_fn(b, prepack=path) if paths else eager
+            if len(paths) == 2:
+                other = stack.step_fn(b, prepack=paths[1])
+                if measure.paired_ratio(packed, other, pairs=2).median > 1.0:
+                    path, packed = paths[1], other
+                del other
+            if b <= eager_up_to:
+                ratio = measure.paired_ratio(eager, packed, pairs=pairs)
+                row = {"packed_s": ratio.seconds_b, "eager_s": ratio.seconds_a, "ratio": ratio}
+            else:
+                row = {"packed_s": measure.median_time(packed, repeats=pairs), "eager_s": float("nan"),
+                       "ratio": None}
+            rows.append({"batch": b, "path": path, **row})
+            del packed
+    stack.release()
+    return rows
+
+
+def b1_over_read(stack: GemmStack, pairs: int = 7, path: str = "mkl") -> measure.PairedRatio:
+    """CPU: the packed B=1 step over a plain read (a sum) of the same weights, interleaved:
+    how close one decode step's GEMMs come to the weight-read floor, measured at the same
+    moment as the floor itself."""
+    with torch.inference_mode():
+        step = stack.step_fn(1, prepack=path)
+        ratio = measure.paired_ratio(step, lambda: [w.sum() for w in stack.weights], pairs=pairs)
+    stack.release()
+    return ratio
 
 
 def _best_cpu_time(fn, repeats: int) -> float:
