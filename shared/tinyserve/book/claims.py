@@ -63,7 +63,7 @@ class ChapterClaim:
 
 
 CHAPTER: tuple[ChapterClaim, ...] = (
-    ChapterClaim("C01", "引言", "同一张卡、同一个模型，服务的吞吐可以差出几个数量级，差距来自软件而不是硬件",
+    ChapterClaim("C01", "本章开头", "同一张卡、同一个模型，服务的吞吐可以差出几个数量级，差距来自软件而不是硬件",
                  ("01", "04"), "computed",
                  "屋顶线上 A100 + 7B 从每次一条到批开到交叉点相差约 150 倍；逐条且不用 KV 缓存再差一个量级，"
                  "三个数量级要连同不复用 KV 的实现一起算"),
@@ -131,6 +131,17 @@ HOW_ZH = {"measured": "本机实测", "simulated": "模拟器（各机相同）"
           "stated": "书中陈述，本机无法测量"}
 
 
+GUIDE_BEGIN, GUIDE_END = "<!-- claims:begin -->", "<!-- claims:end -->"
+
+
+def with_table(text: str, table: str) -> str:
+    """``text`` with the block between the claims markers replaced by ``table``."""
+    if GUIDE_BEGIN not in text or GUIDE_END not in text:
+        raise ValueError(f"no {GUIDE_BEGIN} ... {GUIDE_END} block to fill")
+    head, rest = text.split(GUIDE_BEGIN, 1)
+    return head + GUIDE_BEGIN + "\n" + table + "\n" + GUIDE_END + rest.split(GUIDE_END, 1)[1]
+
+
 def markdown_table(link: Callable[[str], str] | None = None) -> str:
     """The registry as a Markdown table (notebook 00, the instructor guide).
 
@@ -138,10 +149,19 @@ def markdown_table(link: Callable[[str], str] | None = None) -> str:
     made of it), or None for plain numbers."""
     rows = ["| 编号 | 本书说（章节） | 在哪里验证 | 怎样验证 |", "| --- | --- | --- | --- |"]
     for c in CHAPTER:
-        where = " ".join(f"[{nb}]({link(nb)})" if link else nb for nb in c.notebooks)
+        where = " ".join(f"[{nb}]({link(nb)})" if link and link(nb) else nb for nb in c.notebooks)
         how = HOW_ZH[c.how] + (f"：{c.note}" if c.note else "")
         rows.append(f"| {c.id} | {c.statement}（「{c.section}」） | {where} | {how} |")
     return "\n".join(rows)
+
+
+def guide_table(guide_path) -> str:
+    """The registry table with links from ``guide_path`` to the notebooks beside it."""
+    from pathlib import Path
+
+    chapter = Path(guide_path).resolve().parent.parent / "chapters" / "ch05_engine_and_scheduling"
+    names = {p.name[:2]: p.name for p in chapter.glob("[0-9][0-9]_*.ipynb")}
+    return markdown_table(lambda nb: f"../chapters/ch05_engine_and_scheduling/{names[nb]}" if nb in names else None)
 
 
 # --------------------------------------------------------------------------- expectations
@@ -221,6 +241,9 @@ class Verdict:
         reason = "（强制为假：TINYSERVE_CLAIMS_FORCE_FALSE）" if self.forced else ""
         hint = f"\n    可能的原因与可以试的：{self.why_not}" if self.why_not else ""
         return f"✗ 本机不成立 [{self.claim_id}]：{self.what}（{numbers}{retried}）{reason}{hint}"
+
+    def _ipython_display_(self):
+        """Shown as the last line of a cell: nothing more, ``check`` printed the verdict."""
 
     def as_dict(self) -> dict:
         return {"claim": self.claim_id, "what": self.what, "holds": self.holds,
@@ -367,9 +390,18 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", default="claims.json",
                         help="where to write the verdicts with the machine and versions (default claims.json)")
     parser.add_argument("--only", default="", help="comma-separated claim ids, e.g. C02,C06")
+    parser.add_argument("--guide", metavar="PATH",
+                        help="rewrite the claims table of the instructor guide at PATH from the registry, then stop")
     parser.add_argument("--strict", action="store_true",
                         help="re-measure a failing claim, then exit 1 if any still fails")
     args = parser.parse_args(argv)
+    if args.guide:
+        from pathlib import Path
+
+        guide = Path(args.guide)
+        guide.write_text(with_table(guide.read_text(encoding="utf-8"), guide_table(guide)), encoding="utf-8")
+        print(f"wrote the claims table into {guide}")
+        return 0
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
     for claim_id in only or ():
         chapter_claim(claim_id)

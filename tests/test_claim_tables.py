@@ -1,0 +1,39 @@
+"""The chapter's claim table is generated from one registry (``book.claims.CHAPTER``):
+the instructor guide holds exactly the generated table, and notebook 00 displays it
+from the registry instead of keeping a copy of its own."""
+
+from pathlib import Path
+
+import nbformat
+
+from tinyserve.book import claims
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "solutions" / "INSTRUCTOR.md"
+OVERVIEW = ROOT / "chapters" / "ch05_engine_and_scheduling" / "00_overview.ipynb"
+
+
+def test_the_instructor_guide_holds_the_registry_table():
+    text = GUIDE.read_text(encoding="utf-8")
+    block = text.split(claims.GUIDE_BEGIN, 1)[1].split(claims.GUIDE_END, 1)[0].strip()
+    assert block == claims.guide_table(GUIDE), (
+        "the guide's claims table is stale: run python -m tinyserve.book.claims --guide solutions/INSTRUCTOR.md")
+    for c in claims.CHAPTER:
+        assert f"| {c.id} |" in block
+
+
+def test_every_link_of_the_generated_table_names_a_notebook():
+    table = claims.guide_table(GUIDE)
+    for c in claims.CHAPTER:
+        for nb in c.notebooks:
+            assert any(p.name.startswith(f"{nb}_") for p in OVERVIEW.parent.glob("*.ipynb")), nb
+    for target in (part.split(")")[0] for part in table.split("](")[1:]):
+        assert (GUIDE.parent / target).resolve().exists(), target
+
+
+def test_notebook_00_shows_the_table_from_the_registry():
+    nb = nbformat.read(OVERVIEW, as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and "claims.markdown_table" in c.source]
+    assert len(cells) == 1
+    shown = "".join(o.get("data", {}).get("text/markdown", "") for o in cells[0].outputs)
+    assert all(f"| {c.id} |" in shown for c in claims.CHAPTER), "re-execute notebook 00 (make execute)"
