@@ -1,0 +1,211 @@
+"""tinyserve.book.claims (verdicts, strict mode, the registry) and the chapter checks of
+``make claims``, including sabotage: with a property of the engine really gone, the
+claim that rests on it must fail in strict mode."""
+
+import json
+
+import pytest
+
+from tinyserve import engine as engine_module
+from tinyserve.book import chapter_checks, claims
+from tinyserve.kv_cache import BlockManager
+from tinyserve.scheduler import SchedulerConfig
+
+
+@pytest.fixture
+def reader(monkeypatch):
+    """A reader's session: not strict, nothing forced."""
+    monkeypatch.delenv(claims.STRICT_ENV, raising=False)
+    monkeypatch.delenv(claims.FORCE_FALSE_ENV, raising=False)
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    """`make test`: strict, nothing forced."""
+    monkeypatch.setenv(claims.STRICT_ENV, "strict")
+    monkeypatch.delenv(claims.FORCE_FALSE_ENV, raising=False)
+
+
+class Remeasure:
+    """A measure(attempt) that returns the given values in turn and records each attempt."""
+
+    def __init__(self, *values):
+        self.values, self.attempts = list(values), []
+
+    def __call__(self, attempt):
+        self.attempts.append(attempt)
+        return self.values.pop(0)
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def test_reader_mode_prints_a_verdict_and_never_raises(reader, capsys):
+    held = claims.check("C02", "batching pays", 3.0, predicted=2.5, expect=claims.ratio_between(0.5, 2.0))
+    gone = claims.check("C02", "batching pays", 0.9, predicted=2.5, expect=claims.ratio_between(0.5, 2.0),
+                        measure=Remeasure(5.0), why_not="机器忙")
+    out = capsys.readouterr().out
+    assert held.holds and not gone.holds
+    assert "✓ 本机成立 [C02]：batching pays（predicted 2.5, measured 3" in out
+    assert "✗ 本机不成立 [C02]" in out and "机器忙" in out
+    assert gone.attempts == 1                     # a reader is not kept waiting by re-measurements
+    assert claims.summary([held, gone]).splitlines()[-1] == "1 of 2 hold on this machine"
+
+
+def test_strict_mode_measures_again_and_passes_when_a_later_attempt_holds(strict):
+    again = Remeasure(0.8, (3.3, 3.0))            # the second re-measurement also re-predicts
+    verdict = claims.check("C06", "fusion pays", 0.7, predicted=2.0, expect=claims.ratio_between(0.75, 1.33),
+                           measure=again)
+    assert again.attempts == [1, 2]
+    assert verdict.holds and verdict.attempts == 3 and (verdict.measured, verdict.predicted) == (3.3, 3.0)
+    assert verdict.history == [(0.7, 2.0), (0.8, 2.0), (3.3, 3.0)]
+
+
+def test_strict_mode_stops_measuring_once_a_claim_holds(strict):
+    again = Remeasure(2.0, 9.9)
+    assert claims.check("C06", "fusion pays", 0.1, predicted=2.0, expect=claims.ratio_between(0.75, 1.33),
+                        measure=again).holds
+    assert again.attempts == [1]
+
+
+def test_strict_mode_fails_after_every_attempt_failed_with_a_clear_message(strict, capsys):
+    again = Remeasure(0.9, 1.1)
+    with pytest.raises(claims.ClaimFailed) as failed:
+        claims.check("C10", "a flat floor", 1.0, predicted=2.0, expect=claims.ratio_between(0.75, 1.33),
+                     measure=again, why_not="机器忙")
+    message = str(failed.value)
+    assert again.attempts == [1, 2]
+    assert message.startswith("C10 does not hold: a flat floor")
+    assert "measured 1 vs 2; measured 0.9 vs 2; measured 1.1 vs 2" in message and "机器忙" in message
+    assert "✗ 本机不成立 [C10]" in capsys.readouterr().out      # the reader's line is printed first
+
+
+def test_a_failing_claim_without_a_measure_fails_at_once_in_strict_mode(strict):
+    with pytest.raises(claims.ClaimFailed, match="C08 does not hold"):
+        claims.check("C08", "steps", 96, predicted=95, expect=claims.equals())
+
+
+def test_force_false_turns_a_claim_that_holds_into_a_failure(reader, monkeypatch, capsys):
+    monkeypatch.setenv(claims.FORCE_FALSE_ENV, "C02, C06")
+    never = Remeasure()
+    verdict = claims.check("C02", "batching pays", 3.0, predicted=3.0, expect=claims.ratio_between(0.5, 2.0),
+                           measure=never)
+    assert not verdict.holds and verdict.forced and never.attempts == []
+    assert "强制为假" in capsys.readouterr().out
+    assert claims.check("C03", "other claims untouched", 1, expect=claims.equals(1)).holds
+    monkeypatch.setenv(claims.STRICT_ENV, "strict")
+    with pytest.raises(claims.ClaimFailed, match="C06"):
+        claims.check("C06", "fusion pays", 2.0, predicted=2.0, expect=claims.ratio_between(0.75, 1.33),
+                     measure=Remeasure(2.0, 2.0))
+
+
+@pytest.mark.parametrize("bad", [lambda m, p: True, "between(1, 2)", None])
+def test_unknown_claims_and_bad_expectations_are_refused(reader, bad):
+    with pytest.raises(ValueError, match="unknown claim 'C25'"):
+        claims.check("C25", "not in the chapter", 1, expect=claims.equals(1))
+    with pytest.raises(ValueError, match="expect"):
+        claims.check("C01", "needs an Expect", 1, expect=bad)
+
+
+def test_expectations_treat_missing_or_non_finite_numbers_as_failures():
+    nan = float("nan")
+    assert claims.between(1, 2)(1.5) and not claims.between(1, 2)(2.5) and not claims.between(1, 2)(nan)
+    assert claims.at_least(2)(2) and not claims.at_least(2)(None) and claims.at_most(2)(1)
+    ratio = claims.ratio_between(0.5, 2)
+    assert ratio(2, 1) and not ratio(3, 1) and not ratio(1, 0) and not ratio(1, None) and not ratio(nan, 1)
+    assert claims.equals()((1, [2]), (1, [2])) and not claims.equals(3)(4)
+    assert claims.is_true()(True) and not claims.is_true()(1)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_the_registry_holds_the_chapters_24_claims_in_order():
+    assert [c.id for c in claims.CHAPTER] == [f"C{i:02d}" for i in range(1, 25)]
+    assert all(c.how in claims.HOW_ZH and c.statement and c.notebooks for c in claims.CHAPTER)
+    assert [c.id for c in claims.CHAPTER if c.how == "stated"] == ["C20"]
+    table = claims.markdown_table(lambda nb: f"{nb}_x.ipynb").splitlines()
+    assert len(table) == 2 + 24
+    for row, c in zip(table[2:], claims.CHAPTER):
+        assert row.startswith(f"| {c.id} | {c.statement}（「{c.section}」） |")
+        assert all(f"[{nb}]({nb}_x.ipynb)" in row for nb in c.notebooks)
+
+
+def test_every_measurable_claim_has_a_check_that_says_what_it_measures():
+    measurable = [c.id for c in claims.CHAPTER if c.how != "stated"]
+    assert list(chapter_checks.CHECKS) == measurable
+    for claim_id, check in chapter_checks.CHECKS.items():
+        doc = (check.__doc__ or "").strip()
+        assert doc and "\n" not in doc, claim_id
+
+
+def test_make_claims_runs_the_chosen_claims_and_writes_json(reader, tmp_path, capsys):
+    out = tmp_path / "claims.json"
+    assert claims.main(["--only", "C01,C09,C20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert [c["id"] for c in report["claims"]] == ["C01", "C09", "C20"]
+    assert report["claims"][2]["verdict"] is None and report["failed"] == []
+    assert all(c["verdict"]["holds"] for c in report["claims"][:2])
+    printed = capsys.readouterr().out
+    assert "2 of 2 measurable claims hold here; 1 stated only" in printed
+
+
+def test_make_claims_strict_exits_1_when_a_claim_fails(reader, tmp_path, monkeypatch):
+    monkeypatch.setenv(claims.FORCE_FALSE_ENV, "C09")
+    monkeypatch.setenv(claims.STRICT_ENV, "off")          # main(--strict) sets it: undone after the test
+    out = tmp_path / "claims.json"
+    assert claims.main(["--only", "C01,C09", "--strict", "--json", str(out)]) == 1
+    assert "C09 does not hold" in json.loads(out.read_text(encoding="utf-8"))["failed"][0]
+
+
+# --------------------------------------------------------------------------- sabotage
+
+
+def test_continuous_batching_holds_and_fails_when_it_is_static_batching(strict, monkeypatch):
+    assert chapter_checks.c08().holds
+
+    def static_only(**kwargs):
+        return SchedulerConfig(**{**kwargs, "batching": "static"})   # "continuous" asked, static run
+
+    monkeypatch.setattr(engine_module, "SchedulerConfig", static_only)
+    with pytest.raises(claims.ClaimFailed, match="C08 does not hold") as failed:
+        chapter_checks.c08()
+    assert "measured (93, 93" in str(failed.value).replace("[", "(").replace("]", ")")
+
+
+@pytest.fixture
+def no_prefix_caching(monkeypatch):
+    """Every block manager (engine and simulator) built with prefix caching off."""
+    build = BlockManager.__init__
+
+    def without_caching(self, num_blocks, block_size, enable_prefix_caching=False):
+        build(self, num_blocks, block_size, False)
+
+    monkeypatch.setattr(BlockManager, "__init__", without_caching)
+
+
+def test_shared_block_refcounts_hold(strict):
+    assert chapter_checks.c14().holds
+
+
+def test_shared_block_refcounts_fail_without_prefix_caching(strict, no_prefix_caching):
+    with pytest.raises(claims.ClaimFailed, match="C14 does not hold"):
+        chapter_checks.c14()
+
+
+def test_cache_aware_routing_holds(strict):
+    assert chapter_checks.c21().holds
+
+
+def test_cache_aware_routing_fails_without_prefix_caching(strict, no_prefix_caching):
+    with pytest.raises(claims.ClaimFailed, match="C21 does not hold"):
+        chapter_checks.c21()
+
+
+def test_fusion_fails_when_the_fused_kernel_is_the_unfused_chain(strict, monkeypatch, capsys):
+    """The speed-up of the 'fused' kernel is then ~1x against a predicted 2x, on every attempt."""
+    monkeypatch.setattr(chapter_checks, "_fused_chain", chapter_checks._unfused_chain)
+    with pytest.raises(claims.ClaimFailed, match="C06 does not hold") as failed:
+        chapter_checks.c06()
+    measured = [v for v, _ in claims.RESULTS[-1].history]
+    assert len(measured) == 1 + claims.RETRIES and all(0.7 < m < 1.4 for m in measured), failed.value
