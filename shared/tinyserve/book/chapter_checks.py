@@ -7,10 +7,10 @@ calls them in chapter order. Three kinds, as the registry says:
 * computed: arithmetic on the datasheet figures (``tinyserve.hardware``);
 * simulated: the engine's own scheduler on the simulator's clock (A100 + 7B roofline),
   deterministic, the same on every machine;
-* measured: this CPU. Real engine runs, or a weight stack and tensors several times the
-  last-level cache, with warm-up, one fixed torch thread (on a shared CPU a second thread
-  waits at every barrier for a core another program holds) and interleaved pairs
-  (``tinyserve.measure``). A timing-based check passes ``measure``, so that strict mode
+* measured: this CPU. Real engine runs, or a weight stack and tensors bigger than the
+  last-level cache (the stack twice it, each tensor at least it), with warm-up, one fixed
+  torch thread (on a shared CPU a second thread waits at every barrier for a core another
+  program holds) and interleaved pairs or rounds (``tinyserve.measure``). A timing-based check passes ``measure``, so that strict mode
   measures again with more pairs before it fails; its band was sized from the spread of
   runs on a 2-core machine shared with several other busy programs.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -30,7 +31,8 @@ import torch
 from tinyserve import LLM, SamplingParams
 from tinyserve import hardware as hwm
 from tinyserve import measure
-from tinyserve.bench.crossover import GemmStack
+from tinyserve.bench.crossover import GemmStack, layer_shapes
+from tinyserve.compiled_step import prepacked_linear
 from tinyserve.book import claims
 from tinyserve.diagnose import diagnose
 from tinyserve.engine import LLMEngine
@@ -116,31 +118,60 @@ def c09():
 
 @functools.lru_cache(maxsize=1)
 def _stack() -> GemmStack:
-    """Llama-shaped fp32 layers, at least 256 MiB and 4x this CPU's last-level cache (made once)."""
-    want = max(256 * 2**20, 4 * (measure.l3_cache_bytes() or 0))
-    return GemmStack(1024, max(1, math.ceil(want / GemmStack(1024, 1).weight_bytes)))
+    """Llama-shaped fp32 layers, at least 256 MiB and twice this CPU's last-level cache (made once)."""
+    want = max(256 * 2**20, 2 * (measure.l3_cache_bytes() or 0))
+    layer = 4 * sum(i * o for i, o in layer_shapes(1024))                 # bytes of one fp32 layer
+    return GemmStack(1024, math.ceil(want / layer))
 
 
-def _per_request(stack: GemmStack) -> float:
-    """Seconds of one request's compute, 2P / F, at this CPU's fp32 matmul peak measured now."""
-    return 2 * stack.num_parameters / measure.measure_device("cpu", seconds=0.4, copy_mib=64).flops["fp32"]
+def _compute_only(stack: GemmStack, rows: int) -> Callable:
+    """The arithmetic of a step of ``rows`` requests without its weight read: as many
+    ``[rows, 1024] x [1024, 1024]`` matmuls as the stack has parameters, on one weight that
+    stays in cache. A thin matmul runs far below a square one's peak, the more so on a busy CPU,
+    so this is the compute ceiling of this shape, timed in the same rounds as the steps."""
+    weight, x = torch.full((1024, 1024), 1 / 32), torch.ones(rows, 1024)
+    layer = prepacked_linear(weight, rows) or (lambda x: torch.mm(x, weight.t()))
+    calls = round(stack.num_parameters / weight.numel())
+    return lambda: [layer(x) for _ in range(calls)]
+
+
+def _rounds(fns: dict, rounds: int) -> list[dict]:
+    """Seconds of each function in every round, the order reversed each round (after a warm-up),
+    so that a busy moment of the machine slows a whole round rather than one function."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times = []
+    for r in range(rounds):
+        times.append({})
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            fns[name]()
+            times[-1][name] = time.perf_counter() - start
+    return times
+
+
+def _step_model(times: dict, b: int) -> float:
+    """read + compute on a CPU: t(B) = t(1) + (B - 1) / B x compute(B), from one round's timings."""
+    return times[1] + (b - 1) / b * times[f"compute {b}"]
 
 
 def c02():
     """Batching amortises the weight read: 8 requests one by one vs in one batch (weights > L3)."""
     stack, batch = _stack(), 8
-    single = stack.step_fn(1)
+    single, together = stack.step_fn(1), stack.step_fn(batch, prepack=True)   # packed once, as compiled
+    fns = {"one by one": lambda: [single() for _ in range(batch)], batch: together, 1: single,
+           f"compute {batch}": _compute_only(stack, batch)}
 
     def remeasure(attempt):
-        together = stack.step_fn(batch, prepack=True)                     # packed once, as compiled
-        pair = measure.paired_ratio(lambda: [single() for _ in range(batch)], together, pairs=5 + 4 * attempt)
-        # A request alone costs one weight read (timed in the same pairs); on a CPU a batch
-        # adds each other request's compute at the peak: t(B) = t(1) + (B - 1) 2P/F.
-        t_one, t_req = pair.seconds_a / batch, _per_request(stack)
-        predicted = batch * t_one / (t_one + (batch - 1) * t_req)
-        _say(f"{stack.weight_bytes >> 20} MiB of weights: one request {t_one * 1e3:.1f} ms, compute "
-             f"{t_req * 1e3:.2f} ms/request; one-by-one / batched {pair}, predicted {predicted:.2f}x")
-        return pair.median, predicted
+        rounds = _rounds(fns, 5 + 4 * attempt)
+        measured = statistics.median(t["one by one"] / t[batch] for t in rounds)
+        predicted = statistics.median(batch * t[1] / _step_model(t, batch) for t in rounds)
+        med = {k: 1e3 * statistics.median(t[k] for t in rounds) for k in fns}
+        _say(f"{stack.weight_bytes >> 20} MiB of weights: one request {med[1]:.1f} ms, {batch} one by one "
+             f"{med['one by one']:.0f} ms, batched {med[batch]:.1f} ms, the batch's arithmetic alone "
+             f"{med[f'compute {batch}']:.1f} ms")
+        return measured, predicted
 
     return _timed("C02", "一批共享一次权重读取：8 条请求合批比逐条快，快多少由“读一次 + 各算各的”预测",
                   remeasure, claims.ratio_between(0.5, 2.0), BUSY + "；或 L3 大到装下了整个权重栈")
@@ -150,20 +181,24 @@ def c10():
     """Step time vs batch on a weight stack > L3: below the crossover and past it."""
     stack = _stack()
     single = stack.step_fn(1)
+    probe = _rounds({1: single, 16: _compute_only(stack, 16)}, 3)
+    b_star = statistics.median(16 * t[1] / t[16] for t in probe)       # a weight read / one request's math
+    lo, hi = max(2, round(b_star / 4)), min(128, max(4, round(2 * b_star)))
+    fns = {1: single} | {b: stack.step_fn(b, prepack=True) for b in (lo, hi, 2 * hi)}
+    fns |= {f"compute {b}": _compute_only(stack, b) for b in (lo, hi, 2 * hi)}
 
     def remeasure(attempt):
-        t_one, t_req = measure.median_time(single, repeats=3), _per_request(stack)
-        b_star = t_one / t_req                                            # this CPU's crossover
-        lo, hi = max(2, round(b_star / 4)), min(128, max(4, round(2 * b_star)))
-        step = lambda b: t_one + (b - 1) * t_req                          # read + compute on a CPU
-        below = measure.paired_ratio(stack.step_fn(lo, prepack=True), single, pairs=5 + 4 * attempt)
-        above = measure.paired_ratio(stack.step_fn(2 * hi, prepack=True), stack.step_fn(hi, prepack=True),
-                                     pairs=5 + 4 * attempt)
-        _say(f"crossover B* = {b_star:.1f}: t({lo})/t(1) {below}, t({2 * hi})/t({hi}) {above}")
-        return (below.median, above.median), (step(lo) / step(1), step(2 * hi) / step(hi))
+        rounds = _rounds(fns, 5 + 4 * attempt)
+        measured = tuple(statistics.median(t[a] / t[b] for t in rounds) for a, b in ((lo, 1), (2 * hi, hi)))
+        predicted = (statistics.median(_step_model(t, lo) / t[1] for t in rounds),
+                     statistics.median(_step_model(t, 2 * hi) / _step_model(t, hi) for t in rounds))
+        _say(f"crossover B* = {b_star:.1f} (a weight read / one request's arithmetic): t({lo})/t(1) "
+             f"{measured[0]:.2f}x, t({2 * hi})/t({hi}) {measured[1]:.2f}x")
+        return measured, predicted
 
     return _timed("C10", "交叉点以内批开大几倍只多一点时间，越过以后一步的时间随批近乎线性上涨",
-                  remeasure, _within(0.75, 1.33))
+                  remeasure, _within(0.75, 1.33),
+                  BUSY + "；上面打印的交叉点 B* 若只有几，CPU 上“交叉点以内”几乎没有空间（04 的“本书说/这里测到”）")
 
 
 # --------------------------------------------------------------------------- C03: seats
@@ -382,7 +417,8 @@ def c12():
     eng = LLM("tiny", seed=0, max_num_batched_tokens=32, enable_prefix_caching=False).engine
     for i in range(3):
         eng.add_request([10 + i] * 4, SamplingParams(max_tokens=40, ignore_eos=True))
-    eng.step(), eng.step()
+    for _ in range(2):                                                    # they are decoding now
+        eng.step()
     first = eng.core.num_steps
     req = eng.requests[eng.add_request(list(range(100, 200)), SamplingParams(max_tokens=5, ignore_eos=True))]
     while eng.has_unfinished_requests():
@@ -448,7 +484,7 @@ def c11():
     eng = LLMEngine(LlamaForServing.from_seed(micro, 0), tok,
                     SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=8192, max_model_len=1024), 512)
     corpus = resources.files("tinyserve").joinpath("data/corpus/zh.txt").read_text(encoding="utf-8")
-    texts = iter(corpus[i:i + 150] for i in range(0, len(corpus) - 150, 150))
+    texts = itertools.cycle([corpus[i:i + 150] for i in range(0, len(corpus) - 150, 150)])  # cache cleared
 
     def feed(prompts) -> tuple[float, float]:
         start = time.perf_counter()
@@ -555,7 +591,8 @@ def c16():
     short = _cuts(specs)[0]
     ttft = {p: statistics.fmean(o.metrics.ttft for o in r if o.spec.prompt_len <= short) for p, r in runs.items()}
     everyone = statistics.fmean(m.ttft for m in runs["fcfs"].metrics)
-    _say(f"mean TTFT: everyone (FCFS) {everyone:.2f} s; short prompts FCFS {ttft['fcfs']:.2f} s, SJF {ttft['sjf']:.2f} s")
+    _say(f"mean TTFT: everyone (FCFS) {everyone:.2f} s; short prompts FCFS {ttft['fcfs']:.2f} s, "
+         f"SJF {ttft['sjf']:.2f} s")
     return claims.check("C16", "先来先服务有队头阻塞：短请求和所有人等得一样久，让短的先走就快得多（模拟器）",
                         (ttft["fcfs"] / everyone, ttft["fcfs"] / ttft["sjf"]), predicted=(1.0, None),
                         expect=_all("FCFS short/everyone in [0.8, 1.25], FCFS/SJF short >= 2",
@@ -575,7 +612,8 @@ def c17():
     wait = {p: max(o.metrics.queue_time for o in r if o.spec.prompt_len >= long_cut) for p, r in runs.items()}
     bound = min(wait["sjf"], wait["fcfs"] + (max(s.prompt_len for s in specs) - short) / 200.0)
     static = make_workload("mixed", 300, rate=12.0, seed=1)
-    fill = {p: _formed_batch(simulate(static, policy=p, batching="static", max_num_seqs=64)) for p in ("fcfs", "bucket")}
+    fill = {p: _formed_batch(simulate(static, policy=p, batching="static", max_num_seqs=64))
+            for p in ("fcfs", "bucket")}
     _say(f"longest wait of long prompts: FCFS {wait['fcfs']:.1f} s, SJF {wait['sjf']:.1f} s, aging 200 "
          f"{wait['aging']:.1f} s (bound {bound:.1f} s); static batches when formed: FCFS {fill['fcfs']:.1f}, "
          f"bucketed {fill['bucket']:.1f}")
