@@ -10,9 +10,10 @@ calls them in chapter order. Three kinds, as the registry says:
 * measured: this CPU. Real engine runs, or a weight stack and tensors bigger than the
   last-level cache (the stack twice it, each tensor at least it), with warm-up, one fixed
   torch thread (on a shared CPU a second thread waits at every barrier for a core another
-  program holds) and interleaved pairs or rounds (``tinyserve.measure``). A timing-based check passes ``measure``, so that strict mode
-  measures again with more pairs before it fails; its band was sized from the spread of
-  runs on a 2-core machine shared with several other busy programs.
+  program holds) and interleaved pairs or rounds (``tinyserve.measure``). A timing-based
+  check passes ``measure``, so that strict mode measures again with more pairs before it
+  fails; its band was sized from the spread of runs on a 2-core machine shared with
+  several other busy programs (load average 2 to 8).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ MIX = [([(7 * i + 3 * j) % 2000 + 10 for j in range(16)], n) for i, n in enumera
 
 def _run_mix(seats: int) -> tuple[float, float]:
     """Output tokens/s and mean TPOT of 4 long requests, then 12 short ones, on a fresh ``small`` engine."""
-    llm = LLM("small", seed=0, max_num_seqs=seats, max_num_batched_tokens=512, max_model_len=128)
+    llm = LLM("small", seed=0, max_num_seqs=seats, max_num_batched_tokens=512, max_model_len=128, device="cpu")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     outs = llm.generate([p for p, _ in MIX], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in MIX])
     s = summarize([o.metrics for o in outs])
@@ -241,12 +242,13 @@ def _decode_step(llm: LLM, batch: int, steps: int = 6) -> float:
 
 
 def c03():
-    """More seats: higher throughput and a slower TPOT (real engine vs its scheduler on a fitted line)."""
+    """More seats: higher throughput and a slower TPOT (real engine on this CPU vs its scheduler on a fitted line)."""
     def remeasure(attempt):
-        probe = LLM("small", seed=0, max_num_seqs=16, max_model_len=128)
+        probe = LLM("small", seed=0, max_num_seqs=16, max_model_len=128, device="cpu")
         _decode_step(probe, 4, 2)
         t1, t16 = _decode_step(probe, 1), _decode_step(probe, 16)
-        cost = _LinearCost(t1 - (t16 - t1) / 15, (t16 - t1) / 15)
+        per_token = max(0.0, (t16 - t1) / 15)
+        cost = _LinearCost(t1 - per_token, per_token)
         specs = [RequestSpec(0.0, len(p), n) for p, n in MIX]
         pred = {s: simulate(specs, cost_model=cost, max_num_seqs=s, num_kv_blocks=256,
                             max_num_batched_tokens=512).summary() for s in (1, 16)}
