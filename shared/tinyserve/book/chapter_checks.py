@@ -68,16 +68,15 @@ def _within(lo: float, hi: float) -> claims.Expect:
 
 
 def _timed(claim_id: str, what: str, remeasure: Callable, expect: claims.Expect, why: str = BUSY):
-    """A timing-based claim: ``remeasure(attempt) -> (measured, predicted)`` on one torch
-    thread, checked, and measured again (with more repetitions) in strict mode."""
-    with measure.fixed_threads(1):
-        measured, predicted = remeasure(0)
-        return claims.check(claim_id, what, measured, predicted=predicted, expect=expect,
-                            measure=remeasure, why_not=why)
+    """A timing-based claim: ``remeasure(attempt) -> (measured, predicted)``, checked, and
+    measured again (with more repetitions) in strict mode."""
+    measured, predicted = remeasure(0)
+    return claims.check(claim_id, what, measured, predicted=predicted, expect=expect,
+                        measure=remeasure, why_not=why)
 
 
 def _one_thread(check: Callable) -> Callable:
-    """Run a check of the small engine presets on one torch thread (see the module doc)."""
+    """Run a measured check, set-up included, on one torch thread (see the module doc)."""
     @functools.wraps(check)
     def run():
         with measure.fixed_threads(1):
@@ -157,6 +156,7 @@ def _step_model(times: dict, b: int) -> float:
     return times[1] + (b - 1) / b * times[f"compute {b}"]
 
 
+@_one_thread
 def c02():
     """Batching amortises the weight read: 8 requests one by one vs in one batch (weights > L3)."""
     stack, batch = _stack(), 8
@@ -178,6 +178,7 @@ def c02():
                   remeasure, claims.ratio_between(0.5, 2.0), BUSY + "；或 L3 大到装下了整个权重栈")
 
 
+@_one_thread
 def c10():
     """Step time vs batch on a weight stack > L3: below the crossover and past it."""
     stack = _stack()
@@ -241,6 +242,7 @@ def _decode_step(llm: LLM, batch: int, steps: int = 6) -> float:
                              if s.num_decode_tokens == batch and not s.num_prefill_tokens)
 
 
+@_one_thread
 def c03():
     """More seats: higher throughput and a slower TPOT (real engine on this CPU vs its scheduler on a fitted line)."""
     def remeasure(attempt):
@@ -318,6 +320,7 @@ def _fused_chain(x, y, z, t1, t2, out):
 CHAIN_BYTES = {"unfused": (2 + 1) + (1 + 1) + (2 + 1), "fused": 3 + 1}   # tensors read + written
 
 
+@_one_thread
 def c06():
     """Fused vs unfused elementwise chain on tensors > L3: speed-up predicted by the bytes."""
     args = _tensors(6)
@@ -337,6 +340,7 @@ def c06():
                   claims.ratio_between(0.75, 1.33), BUSY + "；或这台 CPU 上写内存比读贵得多")
 
 
+@_one_thread
 def c07():
     """The same fusion followed by a compute-bound GEMM: the saving is the bytes, not the FLOPs."""
     *args, out = _tensors(6)
