@@ -147,7 +147,7 @@ def scheduling_dashboard(result, label=None, axes=None, ttft_slo=None, tpot_slo=
     return axes
 
 
-def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine (this CPU)"):
+def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine"):
     """Bars of engine vs simulator per metric (rows from ``sim_bench.fidelity``), errors on top."""
     ax = ensure_axes(ax, (7, 3.2))
     rows = [r for r in rows if r["metric"] != "steps"]
