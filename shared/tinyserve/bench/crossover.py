@@ -241,19 +241,12 @@ def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: 
     (medians; NaN past ``eager_up_to``) and ``ratio`` (the ``PairedRatio`` eager /
     packed, or None).
     """
-    paths = [p for p in PACKED_PATHS if prepacked_linear(torch.zeros(1, 1), 1, p) is not None]
     rows = []
     stack.reserve(max(int(b) for b in batch_sizes))
     with torch.inference_mode():
         for b in (int(b) for b in batch_sizes):
             eager = stack.step_fn(b)
-            path = paths[0] if paths else "eager"
-            packed = stack.step_fn(b, prepack=path) if paths else eager
-            if len(paths) == 2:
-                other = stack.step_fn(b, prepack=paths[1])
-                if measure.paired_ratio(packed, other, pairs=2).median > 1.0:
-                    path, packed = paths[1], other
-                del other
+            path, packed = fastest_packed(stack, b)
             if b <= eager_up_to:
                 ratio = measure.paired_ratio(eager, packed, pairs=pairs)
                 row = {"packed_s": ratio.seconds_b, "eager_s": ratio.seconds_a, "ratio": ratio}
@@ -264,6 +257,22 @@ def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: 
             del packed
     stack.release()
     return rows
+
+
+def fastest_packed(stack: GemmStack, batch: int):
+    """``(path, step)``: the faster packed step at ``batch`` on this CPU, MKL's or oneDNN's
+    packed GEMM (two interleaved pairs decide), or ``("eager", eager step)`` where this
+    torch has neither."""
+    paths = [p for p in PACKED_PATHS if prepacked_linear(torch.zeros(1, 1), 1, p) is not None]
+    if not paths:
+        return "eager", stack.step_fn(batch)
+    path, packed = paths[0], stack.step_fn(batch, prepack=paths[0])
+    with torch.inference_mode():
+        for other_path in paths[1:]:
+            other = stack.step_fn(batch, prepack=other_path)
+            if measure.paired_ratio(packed, other, pairs=2).median > 1.0:
+                path, packed = other_path, other
+    return path, packed
 
 
 def b1_over_read(stack: GemmStack, pairs: int = 7, path: str = "mkl") -> measure.PairedRatio:

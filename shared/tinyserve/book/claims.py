@@ -102,7 +102,8 @@ CHAPTER: tuple[ChapterClaim, ...] = (
     ChapterClaim("C18", "调度：先来后到不够用", "分块预填充让解码的节奏不被长提示词打断，首字延迟也不至于失控",
                  ("05", "08"), "measured"),
     ChapterClaim("C19", "调度：先来后到不够用", "输入短输出长的负载适合解码优先，输入长输出短的适合预填充优先",
-                 ("06",), "simulated"),
+                 ("06",), "simulated",
+                 "前一半成立；后一半在模拟器里不成立：解码优先加分块预填充的有效吞吐更高（06 的“本书说/这里测到”）"),
     ChapterClaim("C20", "三个引擎的取舍", "vLLM、SGLang、TensorRT-LLM 各有所长，功能正在趋同",
                  ("07",), "stated",
                  "要在同一张 GPU 上装好三个引擎并跑同一负载才能比较；本项目只对照它们的参数名和指标定义"),
@@ -362,7 +363,10 @@ def run_chapter(only: set[str] | None = None) -> list[tuple[ChapterClaim, Verdic
             print(f"— 书中陈述 [{c.id}]：{c.statement}（本机无法测量：{c.note}）")
             rows.append((c, None))
             continue
-        rows.append((c, chapter_checks.CHECKS[c.id]()))
+        try:
+            rows.append((c, chapter_checks.CHECKS[c.id]()))
+        except ClaimFailed:             # strict mode: the verdict is recorded, go on to the next claim
+            rows.append((c, RESULTS[-1]))
     return rows
 
 
@@ -410,11 +414,9 @@ def main(argv=None) -> int:
     machine = this_machine()
     print(machine)
     started = time.perf_counter()
-    rows, failed = [], []
-    try:
-        rows = run_chapter(only)
-    except ClaimFailed as error:
-        failed.append(str(error))
+    rows = run_chapter(only)
+    failed = [f"{v.claim_id} does not hold: {v.what} (measured {_fmt(v.measured)}; accepted: {v.expect})"
+              for _, v in rows if v is not None and not v.holds]
     seconds = time.perf_counter() - started
     print(chapter_table(rows))
     print(f"checked in {seconds:.0f} s")
@@ -425,8 +427,12 @@ def main(argv=None) -> int:
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, ensure_ascii=False, indent=1)
     print(f"wrote {args.json}")
-    return 1 if failed or (args.strict and any(v is not None and not v.holds for _, v in rows)) else 0
+    return 1 if args.strict and failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run through the imported module, so that chapter_checks and this entry point share
+    # one ClaimFailed class and one RESULTS list (not this file's __main__ copy).
+    from tinyserve.book.claims import main as imported_main
+
+    raise SystemExit(imported_main())
