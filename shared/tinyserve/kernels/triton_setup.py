@@ -9,6 +9,9 @@ the kernel modules run; this module sets it, unless the user already chose.
 Where Triton is not installed at all (macOS), ``HAS_TRITON`` is False, the
 kernel modules skip their ``@triton.jit`` definitions, and calling a fused
 kernel raises :func:`require_triton`'s ImportError. The torch references work.
+A notebook in which the reader writes a kernel (lab 02) imports
+:data:`missing_triton` as ``triton`` and ``tl`` there, so that ``@triton.jit``
+still defines the kernel and only launching it says that Triton is missing.
 """
 
 from __future__ import annotations
@@ -46,6 +49,45 @@ def require_triton(name: str) -> None:
             "`pip install triton`; elsewhere use the torch references "
             "(*_unfused / paged_decode_attention_torch)."
         ) from _IMPORT_ERROR
+
+
+class MissingTriton:
+    """Stands in for ``triton`` and ``triton.language`` where Triton did not import.
+
+    Any attribute is a stand-in too, so ``@triton.jit`` and ``BLOCK_N: tl.constexpr``
+    evaluate and a cell that defines a kernel runs; launching the kernel
+    (``kernel[grid](...)``) or calling anything else (``triton.next_power_of_2(n)``)
+    raises ImportError saying that this machine has no Triton.
+    """
+
+    def __init__(self, name: str = "triton"):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> "MissingTriton":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return MissingTriton(f"{self._name}.{attr}")
+
+    def jit(self, fn=None, **options):
+        if fn is None:                                  # @triton.jit(...) with options
+            return lambda f: self.jit(f)
+        return MissingTriton(getattr(fn, "__name__", "kernel"))
+
+    def __getitem__(self, grid) -> "MissingTriton":
+        return self
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(
+            f"本机没有 Triton，{self._name} 无法运行（不是代码的问题）：Triton 只有 Linux 的安装包，"
+            f"请在 Linux 或 WSL 上运行 / {self._name} needs Triton, which did not import here "
+            f"({_IMPORT_ERROR}). Triton ships wheels for Linux only: run this on Linux or WSL."
+        ) from _IMPORT_ERROR
+
+    def __repr__(self) -> str:
+        return f"<{self._name}: Triton is not installed>"
+
+
+missing_triton = MissingTriton()
 
 
 def check_device(name: str, *tensors: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ def bandwidth_bars(rows, copy_gbps, ax=None, title="Achieved bandwidth", label_k
     """Bars of GB/s (bytes moved by each variant / its median time), the copy bandwidth as a line.
 
     ``rows`` are dicts with at least ``GBps`` and ``label_key`` (``tinyserve.bench`` rows);
-    the bar text gives the speed-up over eager where the row has one.
+    the bar text gives the GB/s and, where the row has one, the speed-up over eager.
     """
     ax = ensure_axes(ax, (5, 3.2))
     labels = [str(r[label_key]) for r in rows]
@@ -46,10 +46,10 @@ def bandwidth_bars(rows, copy_gbps, ax=None, title="Achieved bandwidth", label_k
     bars = ax.bar(range(len(rows)), values, color=colors, alpha=0.8)
     for bar, r in zip(bars, rows):
         s = r.get("speedup_vs_eager")
-        text = f"{r['GBps']:.0f}" + (f"\n{s:.1f}x" if s and abs(s - 1) > 1e-9 else "")
+        text = f"{r['GBps']:.1f} GB/s" + (f"\n{s:.1f}x faster" if s and abs(s - 1) > 1e-9 else "")
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text,
                 ha="center", va="bottom", fontsize=7)
-    ax.axhline(copy_gbps, color="black", ls="--", lw=1.2, label=f"copy: {copy_gbps:.0f} GB/s")
+    ax.axhline(copy_gbps, color="black", ls="--", lw=1.2, label=f"copy: {copy_gbps:.1f} GB/s")
     ax.set_xticks(range(len(rows)), [lab.replace(", ", "\n") for lab in labels], fontsize=7)
     ax.set_ylabel("GB/s (bytes moved / time)")
     ax.set_title(title, fontsize=10)
