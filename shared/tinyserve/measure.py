@@ -181,6 +181,12 @@ def _version(name: str) -> str:
         return "not installed"
 
 
+def _triton_version() -> str:
+    from tinyserve.kernels.triton_setup import HAS_TRITON   # whether it imports, not whether it is installed
+
+    return _version("triton") if HAS_TRITON else "does not import"
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a result was measured on."""
@@ -215,7 +221,7 @@ def this_machine(copy_mib: int = 256) -> Machine:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return Machine(cpu=cpu_name(), cores=usable_cores(), l3_bytes=l3_cache_bytes(),
                    copy_bandwidth=bandwidth, gpu=gpu, torch=torch.__version__,
-                   triton=_version("triton"),
+                   triton=_triton_version(),
                    date=datetime.datetime.now().isoformat(timespec="seconds"))
 
 
