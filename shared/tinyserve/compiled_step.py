@@ -49,7 +49,7 @@ MIN_RECOMPILE_LIMIT = 256
 # After compiling, keep a bucket's graph only where it beats the eager forward
 # (tests of the compiled path itself turn this off).
 CHOOSE_FASTER = True
-CHOICE_PAIRS = 5     # interleaved eager/graph pairs per bucket: about 10 steps each
+CHOICE_PAIRS = 7     # interleaved eager/graph pairs per bucket: about 14 steps each
 
 
 def capture_sizes_for(max_num_seqs: int, sizes=CAPTURE_SIZES) -> tuple[int, ...]:
@@ -120,13 +120,22 @@ class CompiledDecode:
 
     def time_against_eager(self, size: int, pairs: int = CHOICE_PAIRS) -> float:
         """Eager seconds / graph seconds of one decode step of ``size`` rows, the two
-        interleaved on the same inputs (the median of ``pairs`` paired ratios)."""
+        interleaved (the median of ``pairs`` paired ratios). The eager side is the
+        engine's own eager decode path (unpadded metadata, every row sampled), on rows
+        that all write to the scratch slot, as the graph's padding rows do."""
         packed = self.pack([], [], [], [], [], size)
-        _, inputs, meta = packed
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        dev = self.device
+        scratch_block = self.scratch_slot // self.kv_cache.block_size
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((size,), self.scratch_slot, device=dev), query_lens=[1] * size,
+            context_lens=[1] * size, block_tables=torch.full((size, 1), scratch_block, device=dev),
+            num_decodes=size, decode_context_lens=torch.ones(size, dtype=torch.long, device=dev))
+        ids, positions = packed[1]
+        rows = torch.arange(size, device=dev)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else None
 
         def eager():
-            return self.model.forward(*inputs, meta, self.kv_cache, None)
+            return self.model(ids, positions, meta, self.kv_cache, rows)
 
         return paired_ratio(eager, lambda: self.replay(packed), pairs=pairs, sync=sync).median
 
