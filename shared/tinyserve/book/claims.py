@@ -183,7 +183,11 @@ class Expect:
 
 
 def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    """A finite number, numpy scalars included (not a tuple, a string or None)."""
+    try:
+        return not isinstance(x, (str, bytes)) and math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
 
 
 def between(lo: float, hi: float) -> Expect:
