@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_engine import hf_greedy
-from tinyserve import LLM, SamplingParams
+from tinyserve import LLM, SamplingParams, packed_gemm
 from tinyserve.checkpoint import ARCHITECTURES, config_from_hf, weight_files
 from tinyserve.model import Llama3RopeScaling, llama3_inv_freq, rope_inv_freq
 
@@ -94,6 +94,18 @@ def test_greedy_tokens_match_transformers(checkpoint):
     llm = LLM(str(path), dtype="float32", block_size=4, max_num_seqs=8)
     assert ARCHITECTURES[llm.model.config.model_type] == ARCHS[arch][0]
     assert token_ids(llm.generate(prompts, PARAMS)) == reference
+
+
+def test_packed_decode_steps_give_transformers_tokens(checkpoint, monkeypatch):
+    # enforce_eager=False on a CPU: merged q/k/v and gate/up GEMMs on oneDNN-packed
+    # weights, biases and QK-norm included (packed_gemm.py); every bucket packed, even
+    # where that is slower for these small shapes.
+    monkeypatch.setattr(packed_gemm, "CHOOSE_FASTER", False)
+    arch, path, prompts, reference = checkpoint
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_seqs=8, enforce_eager=False)
+    assert token_ids(llm.generate(prompts, PARAMS)) == reference
+    path = llm.engine.executor.decode_path
+    assert path is not None and path.steps_run > 0
 
 
 def test_chunked_prefill_prefix_caching_and_preemption_keep_tokens(checkpoint):

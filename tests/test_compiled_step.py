@@ -1,5 +1,8 @@
-"""``enforce_eager=False``: compiled decode graphs give the eager engine's greedy tokens,
-and a machine where torch.compile cannot work runs eagerly after one warning."""
+"""Compiled decode graphs (``enforce_eager=False`` on a GPU, or on a CPU where weights
+cannot be packed for oneDNN) give the eager engine's greedy tokens, and a machine where
+torch.compile cannot work runs eagerly after one warning. On a CPU these tests turn the
+packed path (``test_packed_gemm.py``) off, so that the graphs' padding, scratch slot and
+per-bucket choice, shared with the GPU, are tested here."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ import pytest
 import torch
 
 from tinyserve import LLM, SamplingParams
-from tinyserve import compiled_step
-from tinyserve.compiled_step import capture_sizes_for, prepacked_linear
+from tinyserve import compiled_step, packed_gemm
+from tinyserve.compiled_step import capture_sizes_for
+from tinyserve.packed_gemm import prepacked_linear
 
 # Small enough that a long prompt is chunked and the cache runs out (preemption);
 # prompts share a prefix (prefix-cache hits); up to 4 running requests fill
@@ -30,6 +34,13 @@ def workload(seed=0, n=12):
     params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=0.0, ignore_eos=True)
               for _ in prompts]
     return prompts, params
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphs_on_cpu():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packed_gemm, "ENABLED", False)
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -124,19 +124,8 @@ class CompiledDecode:
         engine's own eager decode path (unpadded metadata, every row sampled), on rows
         that all write to the scratch slot, as the graph's padding rows do."""
         packed = self.pack([], [], [], [], [], size)
-        dev = self.device
-        scratch_block = self.scratch_slot // self.kv_cache.block_size
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((size,), self.scratch_slot, device=dev), query_lens=[1] * size,
-            context_lens=[1] * size, block_tables=torch.full((size, 1), scratch_block, device=dev),
-            num_decodes=size, decode_context_lens=torch.ones(size, dtype=torch.long, device=dev))
-        ids, positions = packed[1]
-        rows = torch.arange(size, device=dev)
-        sync = torch.cuda.synchronize if dev.type == "cuda" else None
-
-        def eager():
-            return self.model(ids, positions, meta, self.kv_cache, rows)
-
+        eager = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         return paired_ratio(eager, lambda: self.replay(packed), pairs=pairs, sync=sync).median
 
     def describe(self) -> str:
@@ -179,6 +168,23 @@ class CompiledDecode:
         return logits[:n]
 
 
+def scratch_decode(model: LlamaForServing, kv_cache: KVCache, size: int, scratch_slot: int,
+                   **forward_options):
+    """A call running the engine's eager decode path (unpadded metadata, every row
+    sampled) on ``size`` rows that all write to ``scratch_slot``: a step to time a
+    faster path against, at start, without touching any request's blocks."""
+    dev = next(model.parameters()).device
+    scratch_block = scratch_slot // kv_cache.block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((size,), scratch_slot, device=dev), query_lens=[1] * size,
+        context_lens=[1] * size, block_tables=torch.full((size, 1), scratch_block, device=dev),
+        num_decodes=size, decode_context_lens=torch.ones(size, dtype=torch.long, device=dev))
+    ids = torch.zeros(size, dtype=torch.long, device=dev)
+    positions = torch.zeros(size, dtype=torch.long, device=dev)
+    rows = torch.arange(size, device=dev)
+    return lambda: model(ids, positions, meta, kv_cache, rows, **forward_options)
+
+
 def compile_decode(model: LlamaForServing, kv_cache: KVCache, max_blocks_per_seq: int,
                    sizes: tuple[int, ...], scratch_slot: int) -> CompiledDecode | None:
     """A warmed-up ``CompiledDecode``, or None (with one warning) where compiling fails:
@@ -193,34 +199,3 @@ def compile_decode(model: LlamaForServing, kv_cache: KVCache, max_blocks_per_seq
                       RuntimeWarning, stacklevel=3)
         return None
     return graphs
-
-
-PACKED_PATHS = ("mkl", "onednn")
-
-
-def prepacked_linear(weight: torch.Tensor, batch: int, path: str = "mkl"):
-    """``x -> x @ weight.T`` for exactly ``batch`` rows through a packed GEMM, without
-    compiling: ``path="mkl"`` is MKL's packed GEMM, the kernel Inductor's freezing puts
-    in a compiled CPU graph; ``"onednn"`` is oneDNN's (``mkldnn._linear_pointwise``),
-    which is the faster of the two on some CPUs (AMD EPYC) at small batches.
-
-    The weight ``[out, in]`` is packed once (a copy about its own size) for that
-    batch; a plain ``F.linear`` re-packs it on every call, which is why eager small
-    batches sit above the weight-read floor. Returns None where this torch lacks the
-    path (ARM, some builds) or the weight is not fp32 on a CPU: use ``F.linear``."""
-    if path not in PACKED_PATHS:
-        raise ValueError(f"path: {path!r} is not one of {PACKED_PATHS}")
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    weight = weight.contiguous()
-    if path == "onednn":
-        dnn = getattr(torch.ops, "mkldnn", None)
-        if not torch.backends.mkldnn.is_available() or not hasattr(dnn, "_linear_pointwise"):
-            return None
-        packed = dnn._reorder_linear_weight(weight, batch)
-        return lambda x: dnn._linear_pointwise(x, packed, None, "none", [], "")
-    mkl = getattr(torch.ops, "mkl", None)
-    if not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear"):
-        return None
-    packed = mkl._mkl_reorder_linear_weight(weight, batch)
-    return lambda x: mkl._mkl_linear(x, packed, weight, None, batch)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from tinyserve import packed_gemm
 from tinyserve.compiled_step import CAPTURE_SIZES, compile_decode
 from tinyserve.kv_cache import blocks_for
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
@@ -21,8 +22,10 @@ from tinyserve.scheduler import ScheduledRequest, SchedulerOutput
 
 class ModelExecutor:
     """``enforce_eager=False`` runs pure decode steps of up to ``max(capture_sizes)``
-    requests through compiled graphs (``compiled_step``); everything else, and every
-    step where compiling is not possible, runs eagerly."""
+    requests faster: on a CPU (fp32) on weights packed once for oneDNN
+    (``packed_gemm``), elsewhere through compiled graphs (``compiled_step``), in each
+    bucket only where that measured faster at start. Everything else, and every step
+    where neither is possible, runs eagerly."""
 
     def __init__(self, model: LlamaForServing, num_blocks: int, block_size: int, seed: int = 0,
                  vocab_size: int | None = None, enforce_eager: bool = True,
@@ -42,17 +45,27 @@ class ModelExecutor:
         self.vocab_size = vocab_size
         self._generators: dict[str, torch.Generator] = {}
         self.last_prepare_time = 0.0
-        self.graphs = None
-        if not enforce_eager:
+        self.graphs = None                  # compiled_step.CompiledDecode
+        self.packed = None                  # packed_gemm.PackedDecode
+        scratch_slot = num_blocks * block_size
+        if not enforce_eager and packed_gemm.supported(model):
+            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, capture_sizes, scratch_slot)
+            self.packed.warm_up()
+        elif not enforce_eager:
             width = max_blocks_per_seq or blocks_for(model.config.max_position_embeddings,
                                                      block_size)
-            self.graphs = compile_decode(model, self.kv_cache, width, capture_sizes,
-                                         scratch_slot=num_blocks * block_size)
+            self.graphs = compile_decode(model, self.kv_cache, width, capture_sizes, scratch_slot)
 
     @property
     def enforce_eager(self) -> bool:
-        """False only while compiled graphs are in use (a failed compile falls back)."""
-        return self.graphs is None
+        """False only while packed weights or compiled graphs are in use (a failed
+        compile falls back)."""
+        return self.graphs is None and self.packed is None
+
+    @property
+    def decode_path(self):
+        """What speeds up decode steps: ``PackedDecode``, ``CompiledDecode`` or None."""
+        return self.packed or self.graphs
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the sampled token of each request that emits one."""
@@ -87,12 +100,18 @@ class ModelExecutor:
                   torch.tensor(sample_rows, dtype=torch.long, device=dev))
         # Host-side packing time: bookkeeping, not model work.
         self.last_prepare_time = time.perf_counter() - started
-        logits = self.model(inputs[0], inputs[1], meta, self.kv_cache, inputs[2])
+        packed = (self.packed.use_for(len(items))
+                  if self.packed is not None and self._pure_decode(items) else None)
+        logits = self.model(inputs[0], inputs[1], meta, self.kv_cache, inputs[2], packed=packed)
         return self._sample(logits, sample_items)
+
+    @staticmethod
+    def _pure_decode(items: list[ScheduledRequest]) -> bool:
+        return all(i.is_decode and i.samples for i in items)
 
     def _bucket(self, items: list[ScheduledRequest]) -> int | None:
         """The compiled graph a step runs on: only pure decode steps that fit one."""
-        if self.graphs is None or not all(i.is_decode and i.samples for i in items):
+        if self.graphs is None or not self._pure_decode(items):
             return None
         return self.graphs.bucket(len(items))
 

@@ -269,11 +269,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict,
+                packed=None):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if packed is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:                       # one GEMM on prepacked weights (packed_gemm.PackedLayer)
+            q, k, v = packed.project_qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -285,7 +290,8 @@ class Attention(nn.Module):
                 meta.block_tables, meta.decode_context_lens, ops["decode_attention"] is not None)
         else:
             out = self.attend(q, k, v, meta, kv_cache, ops)
-        return self.o_proj(out.reshape(t, -1))
+        out = out.reshape(t, -1)
+        return self.o_proj(out) if packed is None else packed.o_proj(out)
 
     def attend(self, q, k, v, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
         """Write the new tokens' K and V to their cache slots, then attend: decodes in one
@@ -383,8 +389,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
-    def forward(self, x, ops: dict):
-        return self.down_proj(ops["silu_mul"](self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x, ops: dict, packed=None):
+        if packed is None:
+            return self.down_proj(ops["silu_mul"](self.gate_proj(x), self.up_proj(x)))
+        return packed.down_proj(ops["silu_mul"](*packed.project_gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -398,14 +406,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
+    def forward(self, x, residual, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, ops: dict,
+                packed=None):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual, ops)
-        x = self.self_attn(x, cos, sin, meta, kv_cache, ops)
+        x = self.self_attn(x, cos, sin, meta, kv_cache, ops, packed)
         x, residual = self.post_attention_layernorm(x, residual, ops)
-        return self.mlp(x, ops), residual
+        return self.mlp(x, ops, packed), residual
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
@@ -471,20 +480,22 @@ class LlamaForServing(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, packed=None) -> torch.Tensor:
         """Run the packed batch; return logits only for the rows in ``logits_indices``
-        (the last new token of each request that is due to sample), or for every row."""
+        (the last new token of each request that is due to sample), or for every row.
+        ``packed``: the GEMMs run on weights prepacked once (``packed_gemm.PackedWeights``)."""
         x = self.model.embed_tokens(input_ids)
         c = self.config
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, meta, kv_cache, self.ops)
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache, self.ops,
+                                None if packed is None else packed.layers[i])
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.model.norm(x, residual, self.ops)
-        return self.lm_head(x).float()
+        return (self.lm_head(x) if packed is None else packed.lm_head(x)).float()
 
     # ---- Hugging Face format (checkpoint.py) -------------------------------------------
 

@@ -50,7 +50,7 @@ import torch
 
 from tinyserve import hardware as hwm
 from tinyserve import measure
-from tinyserve.compiled_step import PACKED_PATHS, prepacked_linear
+from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLP_RATIO = 11008 / 4096          # Llama-7B's intermediate / hidden
@@ -146,7 +146,7 @@ class GemmStack:
 
     def step_fn(self, batch: int, prepack: bool | str = False):
         """One step at ``batch`` rows. ``prepack`` (CPU fp32): every weight packed once for
-        this batch, as a compiled engine's graph holds it (``compiled_step.prepacked_linear``;
+        this batch, as a compiled engine's graph holds it (``packed_gemm.prepacked_linear``;
         a copy of the weights per call of step_fn), instead of re-packed on every call;
         True or "mkl" for MKL's packed GEMM, "onednn" for oneDNN's."""
         if not self._ins or next(iter(self._ins.values())).shape[0] < batch:

@@ -33,7 +33,7 @@ from tinyserve import LLM, SamplingParams
 from tinyserve import hardware as hwm
 from tinyserve import measure
 from tinyserve.bench.crossover import GemmStack, fastest_packed, layer_shapes
-from tinyserve.compiled_step import prepacked_linear
+from tinyserve.packed_gemm import prepacked_linear
 from tinyserve.book import claims
 from tinyserve.diagnose import diagnose
 from tinyserve.engine import LLMEngine

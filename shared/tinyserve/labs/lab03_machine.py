@@ -32,7 +32,7 @@ def _sweep_matmul_stack(batch_sizes, hidden, layers, budget_s, device="cpu"):
 
     import torch
 
-    from tinyserve.compiled_step import prepacked_linear
+    from tinyserve.packed_gemm import prepacked_linear
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(hidden, hidden, generator=gen).div_(hidden ** 0.5).to(device) for _ in range(layers)]
