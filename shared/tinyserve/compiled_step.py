@@ -93,6 +93,7 @@ class CompiledDecode:
         self.speedups: dict[int, float] = {}
         self.choices: dict[int, str] = {s: "compiled" for s in self.sizes}
         self.steps_run = 0              # decode steps that ran on a graph
+        self.warm_up_seconds = 0.0      # compiling and choosing, at start
 
     @property
     def max_batch(self) -> int:
@@ -107,6 +108,7 @@ class CompiledDecode:
     def warm_up(self) -> float:
         """Compile every bucket now (padding rows only), then choose per bucket between
         its graph and the eager forward; total compile seconds."""
+        started_all = time.perf_counter()
         for size in self.sizes:
             started = time.perf_counter()
             self.run([], [], [], [], [], size)
@@ -116,6 +118,7 @@ class CompiledDecode:
                 self.speedups[size] = self.time_against_eager(size)
                 self.choices[size] = "compiled" if self.speedups[size] >= 1.0 else "eager"
         self.steps_run = 0
+        self.warm_up_seconds = time.perf_counter() - started_all
         return sum(self.compile_seconds.values())
 
     def time_against_eager(self, size: int, pairs: int = CHOICE_PAIRS) -> float:

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tinyserve import packed_gemm
 from tinyserve.checkpoint import saved_dtype
 from tinyserve.compiled_step import CAPTURE_SIZES, capture_sizes_for
 from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
@@ -203,9 +204,11 @@ class LLM:
     ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
     (in Triton's interpreter when there is no GPU: correct, but slow).
     ``step_stats_window``: how many recent steps ``engine.step_stats`` keeps.
-    ``enforce_eager=False`` compiles the decode step (``torch.compile``, one graph per
-    batch bucket up to ``max_num_seqs``, paid once at start; ``compiled_step.py``);
-    ``None`` picks the device's default (``default_enforce_eager``).
+    ``enforce_eager=False`` speeds up pure decode steps in each batch bucket up to
+    ``max_num_seqs`` where that measured faster at start: on a CPU (fp32) on weights
+    packed once for oneDNN (``packed_gemm.py``), elsewhere with one compiled graph per
+    bucket (``torch.compile``; ``compiled_step.py``); ``None`` picks the default
+    (``default_enforce_eager``: packed on a CPU, eager on a GPU).
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -293,11 +296,12 @@ class LLM:
 
 
 def default_enforce_eager(model: LlamaForServing) -> bool:
-    """Eager everywhere for now. On a CPU the compiled step costs seconds of compile per
-    bucket at every start (freezing bypasses Inductor's on-disk cache) and one packed
-    copy of the weights per bucket; notebooks that show the weight-read floor ask for
-    it. On a GPU the CUDA-graph path has not been measured on hardware yet."""
-    return True
+    """``enforce_eager=None``: fast decode steps where they cost little at start. On a
+    CPU with fp32 weights that is packing them for oneDNN (about a second, plus a few
+    timed steps per bucket to keep it only where it is faster; ``packed_gemm``). On a
+    GPU, compiled CUDA graphs cost a compile per bucket at every start and have not been
+    measured on hardware yet: eager there, as for other dtypes on a CPU."""
+    return not packed_gemm.supported(model)
 
 
 def _progress(total: int, use_tqdm: bool | None):

@@ -315,13 +315,14 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
               max_model_len=prompt_len + steps + 8, dtype=dtype, enforce_eager=enforce_eager)
     engine = llm.engine
     read = [p for n, p in llm.model.named_parameters() if "embed_tokens" not in n]
-    graphs = engine.executor.graphs
+    path = engine.executor.decode_path
     info = {"model": model, "num_parameters_read": int(sum(p.numel() for p in read)),
             "weight_bytes": int(sum(p.numel() * p.element_size() for p in read)),
             "dtype": {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[read[0].dtype],
             "enforce_eager": engine.executor.enforce_eager,
             "start_s": time.perf_counter() - started,
-            "compile_s": {} if graphs is None else dict(graphs.compile_seconds)}
+            "decode_path": None if path is None else path.describe(),
+            "warm_up_s": None if path is None else path.warm_up_seconds}
 
     def decode_step(batch: int) -> float:
         params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)

@@ -1,14 +1,15 @@
-"""The decode step against the weight-read floor, eager and compiled:
-``python -m tinyserve.bench step [--model cpu-bench] [--out FILE]``.
+"""The decode step against the weight-read floor, eager and with
+``enforce_eager=False``: ``python -m tinyserve.bench step [--model cpu-bench] [--out FILE]``.
 
 A decode step reads every weight once, so its floor is ``weight bytes / read
 bandwidth``, flat in the batch until compute catches up at the ceilings ratio
 ``peak FLOP/s / bandwidth x bytes per parameter / 2``. One run measures the
 ceilings (a ``sum`` and a copy for bandwidth, a square matmul for the peak),
-then pure decode steps of the engine at B = 1 ... 64, eagerly and through the
-compiled graphs (``enforce_eager=False``), and prints each step as a multiple
-of the floor, the knee fitted on the compiled curve against the ceilings
-ratio, and what limits the curve past the knee. The compile cost is measured
+then pure decode steps of the engine at B = 1 ... 64, eagerly and with
+``enforce_eager=False`` (weights packed for oneDNN on a CPU, compiled graphs
+on a GPU; each bucket keeps the faster path), and prints each step as a
+multiple of the floor, the knee fitted on the fast curve against the ceilings
+ratio, and what limits the curve past the knee. The start-up cost is measured
 in two fresh processes sharing one new Inductor cache: cold, then warm.
 """
 
@@ -27,21 +28,22 @@ from tinyserve.bench.crossover import knee_report, machine_info, predicted_cross
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-# A fresh interpreter starting a compiled engine: what a notebook pays at start.
+# A fresh interpreter starting an engine with enforce_eager=False: what a notebook pays.
 PROBE = """\
 import json, time
 started = time.perf_counter()
 from tinyserve import LLM
 llm = LLM({model!r}, max_num_seqs={top}, max_model_len=16, enforce_eager=False)
-graphs = llm.engine.executor.graphs
+path = llm.engine.executor.decode_path
 print(json.dumps({{"start_s": time.perf_counter() - started,
-                   "compiled": graphs is not None,
-                   "compile_s": sum(graphs.compile_seconds.values()) if graphs else None}}))
+                   "fast": path is not None,
+                   "warm_up_s": path.warm_up_seconds if path else None,
+                   "path": path.describe() if path else None}}))
 """
 
 
 def compile_cost(model: str, top: int, cache_dir: str) -> dict:
-    """Start seconds of a compiled engine in a new process: with ``cache_dir`` empty (cold),
+    """Start seconds of an ``enforce_eager=False`` engine in a new process: with ``cache_dir`` empty (cold),
     then again with what the first run left there (warm)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     runs = {}
@@ -76,7 +78,7 @@ def run(model: str = "cpu-bench", batch_sizes=BATCH_SIZES, steps: int = 5,
             report[name] = times
         if os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache:
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    report.update(info)
+    report.update(info)             # the model, and the fast engine's decode path
     floor = info["weight_bytes"] / best
     on_best = replace(hw, memory_bandwidth=best)
     report["floor_s"] = floor
@@ -98,7 +100,7 @@ def print_report(r: dict) -> None:
     floor = r["floor_s"]
     print(f"\n{r['model']} ({r['dtype']}): {r['weight_bytes'] / 2**20:.0f} MiB of weights read per "
           f"step; floor = that / {r['best_bandwidth'] / 1e9:.1f} GB/s = {floor * 1e3:.2f} ms")
-    print(f"{'B':>4}{'eager ms':>10}{'x floor':>9}{'compiled ms':>13}{'x floor':>9}{'speed-up':>10}")
+    print(f"{'B':>4}{'eager ms':>10}{'x floor':>9}{'fast ms':>13}{'x floor':>9}{'speed-up':>10}")
     for b, e, c in zip(r["batch_sizes"], r["eager"], r["compiled"]):
         print(f"{b:>4}{e * 1e3:>10.2f}{e / floor:>9.2f}{c * 1e3:>13.2f}{c / floor:>9.2f}{e / c:>9.2f}x")
     for name, f in r["fits"].items():
@@ -109,10 +111,12 @@ def print_report(r: dict) -> None:
         print(f"past the knee each request adds {r['fits']['compiled']['fit_slope_s'] * 1e3:.2f} ms: "
               f"{r['tail_flops'] / 1e9:.0f} GFLOP/s against a measured matmul peak of "
               f"{r['matmul_flops'] / 1e9:.0f} GFLOP/s ({r['tail_flops'] / r['matmul_flops']:.0%})")
+    print(f"enforce_eager=False: {r['decode_path']}")
     for name, c in r.get("compile", {}).items():
-        print(f"{name} start of a compiled engine (all buckets): {c['start_s']:.1f} s, "
-              f"of which compiling {c['compile_s']:.1f} s" if c["compiled"] else
-              f"{name} start: compiling failed, the engine ran eagerly")
+        print(f"{name} start of an enforce_eager=False engine (max_num_seqs={max(r['batch_sizes'])}): "
+              f"{c['start_s']:.1f} s, of which packing or compiling and choosing "
+              f"{c['warm_up_s']:.1f} s" if c["fast"] else
+              f"{name} start: no faster path here, the engine ran eagerly")
 
 
 def add_arguments(parser) -> None:
