@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tinyserve import packed_gemm
+from tinyserve import measure, packed_gemm
 from tinyserve.checkpoint import saved_dtype
 from tinyserve.compiled_step import CAPTURE_SIZES, capture_sizes_for
 from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
@@ -208,7 +208,8 @@ class LLM:
     ``max_num_seqs`` where that measured faster at start: on a CPU (fp32) on weights
     packed once for oneDNN (``packed_gemm.py``), elsewhere with one compiled graph per
     bucket (``torch.compile``; ``compiled_step.py``); ``None`` picks the default
-    (``default_enforce_eager``: packed on a CPU, eager on a GPU).
+    (``default_enforce_eager``: packed on a CPU for weights larger than its cache,
+    else eager).
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -296,12 +297,17 @@ class LLM:
 
 
 def default_enforce_eager(model: LlamaForServing) -> bool:
-    """``enforce_eager=None``: fast decode steps where they cost little at start. On a
-    CPU with fp32 weights that is packing them for oneDNN (about a second, plus a few
-    timed steps per bucket to keep it only where it is faster; ``packed_gemm``). On a
-    GPU, compiled CUDA graphs cost a compile per bucket at every start and have not been
-    measured on hardware yet: eager there, as for other dtypes on a CPU."""
-    return not packed_gemm.supported(model)
+    """``enforce_eager=None``: fast decode steps where they pay and cost little at start.
+    On a CPU with fp32 weights larger than its last-level cache, that is packing them
+    for oneDNN (about a second, plus a few timed steps per bucket to keep it only where
+    it is faster; ``packed_gemm``); weights that stay in the cache are not read from
+    memory each step, and packing rarely beats eager there. On a GPU, compiled CUDA
+    graphs cost a compile per bucket at every start and have not been measured on
+    hardware yet: eager there, as for other dtypes on a CPU."""
+    if not packed_gemm.supported(model):
+        return True
+    cache = measure.l3_cache_bytes() or 32 * 2**20
+    return packed_gemm.weight_bytes(model) <= cache
 
 
 def _progress(total: int, use_tqdm: bool | None):

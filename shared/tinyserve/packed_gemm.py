@@ -59,6 +59,14 @@ def supported(model: LlamaForServing) -> bool:
         and onednn_available()
 
 
+def weight_bytes(model: LlamaForServing) -> int:
+    """The bytes a decode step reads: every weight but the embedding table, of which it
+    reads a few rows (unless the output projection is that same table, tied)."""
+    read = {id(p): p for name, p in model.named_parameters() if "embed_tokens" not in name}
+    read[id(model.lm_head.weight)] = model.lm_head.weight
+    return sum(p.numel() * p.element_size() for p in read.values())
+
+
 def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                   hint: int = PACK_HINT) -> Linear:
     """``x -> x @ weight.T + bias`` on a copy of ``weight [out, in]`` packed once for

@@ -1,6 +1,7 @@
 """Benchmarks that print tables (and write JSON for the notebooks): fused vs unfused
 kernels (``kernels``), the batch-size crossover on this machine (``crossover``), the
 decode step against the weight-read floor, eager and compiled (``step``),
+tinyserve against transformers' ``generate`` on the same weights (``peer``),
 the simulator against the real engine (``sim``), a server under rounds of streams and
 hostile requests (``soak``: errors, RSS and KV blocks per round), and every GPU
 measurement the book needs in one run (``gpu-evidence``, see ``gpu_evidence``).
@@ -17,7 +18,7 @@ def main(argv=None) -> None:
         from tinyserve.bench import gpu_evidence
         sys.exit(gpu_evidence.main(argv[1:]))
 
-    from tinyserve.bench import crossover, kernels, sim, soak, step
+    from tinyserve.bench import crossover, kernels, peer, sim, soak, step
     parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
                                      description="tinyserve benchmarks; each prints a table")
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -33,6 +34,8 @@ def main(argv=None) -> None:
     crossover.add_arguments(cp)
     stp = sub.add_parser("step", help="decode step vs the weight-read floor, eager and compiled")
     step.add_arguments(stp)
+    peer.add_arguments(sub.add_parser("peer", help="tinyserve vs transformers' generate and "
+                                                   "generate_batch, same weights and workload"))
     sp = sub.add_parser("sim", help="the simulator against the real engine on this CPU and its speed, "
                                     "or (--fidelity) against published vLLM measurements")
     sim.add_arguments(sp)
@@ -47,6 +50,8 @@ def main(argv=None) -> None:
         crossover.main(args)
     elif args.bench == "step":
         step.main(args)
+    elif args.bench == "peer":
+        peer.main(args)
     elif args.bench == "sim":
         sim.main(args)
     elif args.bench == "soak":

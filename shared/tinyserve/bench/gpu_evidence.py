@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from tinyserve.bench.peer import hf_model
 from tinyserve.model import ModelConfig
 
 PARTS_ORDER = ("kernels", "crossover", "engine", "transformers")
@@ -218,27 +219,6 @@ def part_engine(env: Env) -> tuple[dict, dict, str]:
     return cfg, results, head
 
 
-def hf_model(net, env: Env):
-    """``transformers.LlamaForCausalLM`` holding ``net``'s very tensors (names line up)."""
-    import transformers
-
-    from tinyserve.checkpoint import hf_config
-    c = net.config
-    hf = {k: v for k, v in hf_config(c, None, None, net.lm_head.weight.dtype).items()
-          if k not in ("architectures", "model_type", "torch_dtype")}
-    # Built for real, not on meta: its non-persistent buffers (RoPE) are made at init.
-    # In the weights' dtype, so the throwaway init is 13 GB for 7B, not 27.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(net.lm_head.weight.dtype)
-    try:
-        with torch.device(env.device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
-    finally:
-        torch.set_default_dtype(default)
-    model.load_state_dict(net.state_dict(), assign=True)                      # no copy
-    return model.eval()
-
-
 def timed(env: Env, fn) -> tuple[float, object]:
     env.sync()
     start = env.clock()
@@ -264,7 +244,7 @@ def part_transformers(env: Env) -> tuple[dict, dict, str]:
             engine.step()
         return [list(r.output_token_ids) for r in reqs]
 
-    hf = hf_model(net, env)
+    hf = hf_model(net, env.device)
     x = torch.tensor(ps, device=env.device)
     mask = torch.ones_like(x)
 
