@@ -18,7 +18,7 @@ PACKAGE = Path(tinyserve.__file__).parent
 
 # Top-level names of the package by layer; a layer may import only from the layers
 # before it in LAYERS (and from itself).
-CORE = ["request", "kv_cache", "scheduler", "policies", "core", "executor", "compiled_step",
+CORE = ["request", "kv_cache", "scheduler", "policies", "core", "executor", "compiled_step", "packed_gemm",
         "model", "checkpoint", "engine", "tokenizer", "hf_tokenizer", "chat_template", "metrics", "diagnose", "hardware",
         "measure", "workload", "kernels"]
 LAYERS = {"core": CORE, "sim": ["sim"], "serving": ["serving"], "bench": ["bench"],
