@@ -299,8 +299,8 @@ def _best_cpu_time(fn, repeats: int) -> float:
 # ---- (b) tinyserve's own model, through the engine -----------------------------------------
 
 def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_len: int = 4,
-                 seed: int = 0, dtype: str = "auto",
-                 enforce_eager: bool = True) -> tuple[list[float], dict]:
+                 seed: int = 0, dtype: str = "auto", enforce_eager: bool = True,
+                 tpot_batches=()) -> tuple[list[float], dict]:
     """Median seconds of pure decode steps with B running requests, from ``engine.step_stats``.
 
     Returns the times and a description of the model (parameters and bytes read
@@ -337,6 +337,14 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
 
     decode_step(min(4, top))                                     # warm-up
     times = [decode_step(int(b)) for b in batch_sizes]
+    # What a user sees: the mean TPOT of b requests sent together through LLM.generate
+    # (scheduling, sampling, detokenizing included), next to the step time above.
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    info["tpot_s"] = {}
+    for b in tpot_batches:
+        outs = llm.generate([[(13 * i + j) % 2000 + 10 for j in range(prompt_len)] for i in range(b)],
+                            [params] * b)
+        info["tpot_s"][int(b)] = statistics.mean(o.metrics.tpot for o in outs)
     return times, info
 
 

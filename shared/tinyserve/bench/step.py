@@ -73,9 +73,11 @@ def run(model: str = "cpu-bench", batch_sizes=BATCH_SIZES, steps: int = 5,
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
         for name, eager in (("eager", True), ("compiled", False)):
             started = time.perf_counter()
-            times, info = sweep_engine(batch_sizes, model, steps=steps, enforce_eager=eager)
+            times, info = sweep_engine(batch_sizes, model, steps=steps, enforce_eager=eager,
+                                       tpot_batches=[b for b in (1, 8) if b in batch_sizes])
             say(f"{name}: swept in {time.perf_counter() - started:.0f} s")
             report[name] = times
+            report[f"{name}_tpot_s"] = info["tpot_s"]
         if os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache:
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
     report.update(info)             # the model, and the fast engine's decode path
@@ -111,6 +113,10 @@ def print_report(r: dict) -> None:
         print(f"past the knee each request adds {r['fits']['compiled']['fit_slope_s'] * 1e3:.2f} ms: "
               f"{r['tail_flops'] / 1e9:.0f} GFLOP/s against a measured matmul peak of "
               f"{r['matmul_flops'] / 1e9:.0f} GFLOP/s ({r['tail_flops'] / r['matmul_flops']:.0%})")
+    for b, tpot in r["compiled_tpot_s"].items():
+        step_s = r["compiled"][r["batch_sizes"].index(b)]
+        print(f"through LLM.generate, B={b}: mean TPOT {tpot * 1e3:.2f} ms = {tpot / floor:.2f}x floor, "
+              f"{tpot / step_s - 1:+.0%} over the step (eager {r['eager_tpot_s'][b] * 1e3:.2f} ms)")
     print(f"enforce_eager=False: {r['decode_path']}")
     for name, c in r.get("compile", {}).items():
         print(f"{name} start of an enforce_eager=False engine (max_num_seqs={max(r['batch_sizes'])}): "
