@@ -120,8 +120,9 @@ def fidelity(preset: str = "cpu-bench", num_requests: int = 48, rate: float = 6.
 
     # Calibrate on an engine with enough seats for the batch sizes, then serve
     # the workload on a fresh engine over the same weights with ENGINE's knobs.
+    # Eager, as the serving LLMEngine below: calibrated and served on the same decode path.
     llm = LLM(preset, seed=0, dtype="float32", device="cpu", enable_prefix_caching=False,
-              max_num_seqs=64, max_num_batched_tokens=256)
+              max_num_seqs=64, max_num_batched_tokens=256, enforce_eager=True)
     model = ModelSpec.from_config(llm.model.config, name=preset)
     max_len = llm.engine.config.max_model_len
     calibration = measure_steps(llm)

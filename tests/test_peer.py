@@ -1,0 +1,34 @@
+"""``bench peer``: tinyserve and transformers (``generate`` on static left-padded batches,
+``generate_batch``) on the same weights give the same greedy tokens, request for request,
+and the report says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyserve.bench import peer
+
+pytest.importorskip("transformers")
+
+
+def test_every_engine_gives_transformers_generate_tokens():
+    scenarios = (peer.Scenario("B=1", 1, 1), peer.Scenario("B=3, mixed outputs", 3, 5, mixed_outputs=True))
+    report = peer.run("small", scenarios, verbose=False)
+    assert [s["name"] for s in report["scenarios"]] == [s.name for s in scenarios]
+    for sc in report["scenarios"]:
+        engines = [r["engine"] for r in sc["rows"]]
+        assert engines[0] == "transformers generate (static batches)"
+        assert {"tinyserve eager", "tinyserve enforce_eager=False"} <= set(engines)
+        for row in sc["rows"]:
+            assert row["equal"] == sc["requests"], (sc["name"], row["engine"])
+            assert row["tok_per_s"] > 0 and row["ratio"] > 0
+        assert sc["rows"][0]["ratio"] == 1.0
+
+
+def test_a_mixed_workload_has_prompts_and_outputs_in_their_ranges():
+    prompts, news = peer.Scenario("x", 4, 20, mixed_outputs=True).workload(vocab=2048)
+    assert len(prompts) == len(news) == 20
+    assert all(peer.PROMPT_LENS[0] <= len(p) <= peer.PROMPT_LENS[1] for p in prompts)
+    assert all(peer.MIXED_NEW[0] <= n <= peer.MIXED_NEW[1] for n in news) and len(set(news)) > 1
+    assert all(10 <= t < 2048 for p in prompts for t in p)
+    assert peer.Scenario("x", 4, 20).workload(vocab=2048)[1] == [peer.FIXED_NEW] * 20
