@@ -220,6 +220,21 @@ def test_grade_scores_check_cells_only(tmp_path):
     assert format_table(results).endswith("score: 2/3")
 
 
+def test_grade_keeps_both_lines_of_a_hint_and_exits_1_below_full_marks(tmp_path, capsys):
+    from tinyserve.labs.__main__ import main
+    nb = new_notebook(cells=[
+        new_code_cell("def check_bad():\n    raise AssertionError('提示：返回列表\\nhint: return a list')"),
+        new_code_cell("check_bad()"),
+    ])
+    path = save(nb, tmp_path / "student.ipynb")
+    assert grade_notebook(path)[0].error == "AssertionError: 提示：返回列表 / hint: return a list"
+    assert main(["grade", str(path)]) == 1
+    assert "score: 0/1" in capsys.readouterr().out
+    full = save(new_notebook(cells=[new_code_cell("def check_ok():\n    pass"), new_code_cell("check_ok()")]),
+                tmp_path / "full.ipynb")
+    assert main(["grade", str(full)]) == 0
+
+
 def test_grade_interrupts_an_endless_loop_and_goes_on(tmp_path):
     nb = new_notebook(
         cells=[

@@ -57,10 +57,14 @@ def main(argv=None):
 
     if args.timeout <= 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    failed = 0
     for nb in args.notebooks:
         print(f"== {nb}")
-        print(format_table(grade_notebook(nb, timeout=args.timeout)))
-    return 0  # the score is the result, not the exit code
+        results = grade_notebook(nb, timeout=args.timeout)
+        print(format_table(results))
+        failed += sum(not r.passed for r in results) + (not results)
+    # The table is the result; the exit status lets a script tell full marks (0) from not (1).
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

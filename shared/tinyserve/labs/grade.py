@@ -40,12 +40,13 @@ def timeout_hint(seconds):
             f"timed out after {seconds} s: is there a loop that never ends?")
 
 
-def short_error(cell, limit=100):
-    """'Type: first line of message' of the cell's error output, or ''."""
+def short_error(cell, limit=300):
+    """'Type: message' of the cell's error output on one line, or ''. Every line of the
+    message is kept (our hints have a Chinese and an English line), joined by ' / '."""
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
-            lines = str(out.get("evalue", "")).strip().splitlines()
-            text = f"{out.get('ename', 'Error')}: {lines[0] if lines else ''}".rstrip(": ")
+            lines = [l.strip() for l in str(out.get("evalue", "")).splitlines() if l.strip()]
+            text = f"{out.get('ename', 'Error')}: {' / '.join(lines)}".rstrip(": ")
             return text if len(text) <= limit else text[: limit - 1] + "…"
     return ""
 
