@@ -42,7 +42,7 @@ PACK_HINT = 8
 CHOOSE_FASTER = True
 # Interleaved eager/packed pairs timed per bucket at start: a few, and more only where
 # those few do not agree on a side (every pair within CLEAR of 1 or on both sides).
-QUICK_PAIRS, CHOICE_PAIRS, CLEAR = 3, 7, 0.05
+QUICK_PAIRS, CHOICE_PAIRS, CLEAR = 2, 7, 0.05
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
