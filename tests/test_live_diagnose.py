@@ -287,7 +287,9 @@ def test_live_server_batch_too_small(servers):
     s, d = live.summary, live.diagnosis
     assert live.engine == "tinyserve" and live.sources["ttft"] == "tinyserve:time_to_first_token_seconds"
     assert s["arrival_rate"] > 1.3 * s["request_throughput"] and s["queue_growth_rate"] > 0, str(live)
-    assert s["mean_batch_size"] == 2
+    # The running gauge, read at two scrapes: 2, or 1 when a scrape lands between a
+    # request finishing and the next one's admission (seen once in a full make test).
+    assert s["mean_batch_size"] in (1.5, 2)
     assert d.stage == "queueing" and d.action.startswith("raise max_num_seqs"), str(live)
     # Ours has no queue-time histogram: the queue length stood in, and that is said.
     assert d.unknown["mean_queue_time"] == "tinyserve exports no queue-time histogram"
