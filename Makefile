@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 # Extra pip options (an index with CPU-only torch wheels, a proxy, ...).
 PIP_ARGS ?=
 # `make lab` serves the repository root, so the links between chapters/, labs/ and
-# solutions/ work, and opens OPEN. In a classroom container: make lab HOST=0.0.0.0 PORT=8888.
+# solutions/ work, and opens OPEN (the URL it prints opens OPEN too, for a container's
+# browser outside). In a classroom container: make lab HOST=0.0.0.0 PORT=8888.
 HOST ?= 127.0.0.1
 PORT ?= 8888
 OPEN ?= chapters/ch05_engine_and_scheduling/00_overview.ipynb
@@ -51,6 +52,7 @@ $(STAMP): pyproject.toml | $(PY)
 # Jupyter refuses to run as root unless told; classroom containers often are root.
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
+		--LabApp.default_url=/lab/tree/$(OPEN) \
 		$(if $(HIDE_SOLUTIONS),$(foreach g,$(HIDDEN),--ContentsManager.hide_globs='$(g)')) \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(OPEN)
 
