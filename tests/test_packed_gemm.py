@@ -80,3 +80,24 @@ def test_packed_layers_compute_what_the_linear_layers_compute(bias):
 def test_other_dtypes_are_not_packed():
     model = LlamaForServing.from_seed(get_preset("tiny")).to(torch.bfloat16)
     assert not packed_gemm.supported(model)
+
+
+def test_the_default_packs_weights_larger_than_the_last_level_cache(monkeypatch):
+    from tinyserve import engine, measure
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    size = packed_gemm.weight_bytes(model)
+    monkeypatch.setattr(measure, "l3_cache_bytes", lambda: size - 1)
+    assert engine.default_enforce_eager(model) is False           # streams from memory: pack
+    monkeypatch.setattr(measure, "l3_cache_bytes", lambda: size)
+    assert engine.default_enforce_eager(model) is True            # fits in the cache: eager
+    assert engine.default_enforce_eager(model.to(torch.bfloat16)) is True
+
+
+def test_weight_bytes_count_a_tied_output_projection_once():
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    assert model.config.tie_word_embeddings is False
+    untied = packed_gemm.weight_bytes(model)
+    expected = sum(p.numel() * 4 for n, p in model.named_parameters() if "embed_tokens" not in n)
+    assert untied == expected
+    tied = LlamaForServing.from_seed(dataclasses.replace(get_preset("tiny"), tie_word_embeddings=True))
+    assert packed_gemm.weight_bytes(tied) == expected      # the table, read once, as lm_head
