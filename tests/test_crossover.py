@@ -101,4 +101,7 @@ def test_plots_and_widget_smoke():
     from tinyserve.book import widgets
     box = widgets.crossover_calculator()
     assert box.children
+    data = box._repr_mimebundle_()
+    data = data[0] if isinstance(data, tuple) else data
+    assert data["text/plain"] == widgets.STATIC_TEXT           # not VBox(children=(...))
     plt.close("all")

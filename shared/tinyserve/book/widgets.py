@@ -63,7 +63,29 @@ def crossover_calculator(measured: hwm.HardwareSpec | None = None, hardware: str
     for w in (hw_w, model_w, dtype_w, ctx_w):
         w.observe(update, names="value")
     update()
-    return W.VBox([W.HBox([hw_w, model_w]), W.HBox([dtype_w, ctx_w]), summary, out])
+    return _with_static_text(W.VBox([W.HBox([hw_w, model_w]), W.HBox([dtype_w, ctx_w]), summary, out]),
+                             STATIC_TEXT)
+
+
+# What a notebook saved without widget state shows in place of the controls (JupyterLab
+# before the cell is run, GitHub): a sentence instead of ``VBox(children=(...))``.
+STATIC_TEXT = ("交叉点计算器：运行这一格就能拨动硬件、模型、精度和上下文长度（上一格是默认参数下的静态图）。"
+               "/ The crossover calculator: run this cell for the live controls "
+               "(the cell above is its static figure for the defaults).")
+
+
+def _with_static_text(widget, text: str):
+    """``widget``, whose plain-text view (what is shown where no widget can be) is ``text``."""
+    shown = widget._repr_mimebundle_
+
+    def bundle(**kwargs):
+        data = shown(**kwargs)
+        if isinstance(data, tuple):
+            return ({**data[0], "text/plain": text}, *data[1:])
+        return {**(data or {}), "text/plain": text}
+
+    widget._repr_mimebundle_ = bundle
+    return widget
 
 
 # ---- notebook 06: scheduling policies ----------------------------------------------
