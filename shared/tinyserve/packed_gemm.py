@@ -131,10 +131,6 @@ class PackedDecode:
         self.choices: dict[int, str] = {s: "packed" for s in self.sizes}
         self.steps_run = 0              # decode steps that ran on the packed weights
 
-    @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
-
     def use_for(self, batch: int) -> PackedWeights | None:
         """The packed weights for a decode step of ``batch`` rows, if the smallest bucket
         holding it chose them (None: run eagerly)."""
