@@ -1,4 +1,8 @@
 import math
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +13,7 @@ from tinyserve.hardware import (
     decode_step_time, kv_bytes_per_token, per_request_compute_time, tokens_per_second,
     weight_bytes, weight_read_time,
 )
+from tinyserve import measure
 from tinyserve.measure import find_knee, fit_knee, measure_device
 from tinyserve.model import get_preset
 
@@ -158,3 +163,39 @@ def test_new_presets_values():
     # the chapter's figure is unchanged
     assert crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16") == pytest.approx(153, abs=1)
     assert list(hwm.HARDWARE_PRESETS)[:3] == ["A100_SXM_80GB", "H100_SXM", "H200"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="free_cores reads /proc/stat (Linux)")
+def test_free_cores_leaves_out_a_core_another_program_keeps_busy():
+    cores = measure.usable_cores()
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.5)                       # the spinning child is running by now
+        assert measure.free_cores(sample=0.5) == max(1, cores - 1)
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="free_cores reads /proc/stat (Linux)")
+@pytest.mark.parametrize("busy, own, others", [
+    (0, 0, 0),          # an idle machine
+    (100, 100, 0),      # a whole core busy, all of it this process: nobody else
+    (100, 0, 1),        # a whole core busy with another program
+    (150, 0, 2),        # one and a half cores: rounds to two
+    (40, 0, 0),         # a browser tab's 40% of a core does not take a core away
+])
+def test_free_cores_counts_only_other_programs(monkeypatch, busy, own, others):
+    n = len(os.sched_getaffinity(0))
+    ticks = iter([(0, 0), (busy, 100 * n)])             # (busy, total) before and after the sample
+    owns = iter([0, own])
+    monkeypatch.setattr(measure, "_cpu_jiffies", lambda cpus: next(ticks))
+    monkeypatch.setattr(measure, "_own_jiffies", lambda: next(owns))
+    monkeypatch.setattr(measure.time, "sleep", lambda s: None)
+    assert measure.free_cores() == max(1, n - others)
+
+
+def test_free_cores_falls_back_to_all_cores_without_proc(monkeypatch):
+    monkeypatch.setattr(measure.os.path, "exists", lambda path: False)
+    assert measure.free_cores() == measure.usable_cores()

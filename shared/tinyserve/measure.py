@@ -9,8 +9,9 @@ time against batch size: a flat-then-linear hinge, fitted by least squares.
 The discipline every timing in the book follows is here too, in one place:
 ``median_time`` (warm-up, then the median of repeats), ``paired_ratio`` (A and B
 interleaved, the median of per-pair ratios, with their spread, so a busy moment
-slows both sides of a pair alike), ``fixed_threads`` and ``this_machine`` (what a
-number was measured on: CPU model, cores, L3, copy bandwidth, versions).
+slows both sides of a pair alike), ``fixed_threads`` (by default on the ``free_cores``,
+those other programs leave free) and ``this_machine`` (what a number was measured
+on: CPU model, cores, L3, copy bandwidth, versions).
 """
 
 from __future__ import annotations
@@ -159,11 +160,11 @@ def paired_ratio(a: Callable[[], object], b: Callable[[], object], pairs: int = 
 
 @contextlib.contextmanager
 def fixed_threads(n: int | None = None):
-    """Run the block with torch on ``n`` threads (default: the usable cores), then restore."""
+    """Run the block with torch on ``n`` threads (default: the cores free right now), then restore."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(n or usable_cores())
+    torch.set_num_threads(n or free_cores())
     try:
         yield
     finally:
@@ -172,6 +173,49 @@ def fixed_threads(n: int | None = None):
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def free_cores(sample: float = 0.3) -> int:
+    """The usable cores that other programs are not keeping busy right now (at least 1).
+
+    Over ``sample`` seconds, the busy time of this process's cores (``/proc/stat``) minus
+    this process's own CPU time says how many cores others use. A torch op split over
+    N threads waits for its slowest thread, so one thread sharing a core with a busy
+    program slows every op down (on a 2-core machine beside one busy process, a whole
+    notebook ran over 10 times slower on 2 threads). Where ``/proc`` is missing, all
+    usable cores.
+    """
+    cores = usable_cores()
+    if not (hasattr(os, "sched_getaffinity") and os.path.exists("/proc/stat")):
+        return cores
+    cpus = os.sched_getaffinity(0)
+    busy0, total0, own0 = *_cpu_jiffies(cpus), _own_jiffies()
+    time.sleep(sample)
+    busy1, total1, own1 = *_cpu_jiffies(cpus), _own_jiffies()
+    if total1 <= total0:
+        return cores
+    others = max(0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * len(cpus)
+    return max(1, cores - round(others))
+
+
+def _cpu_jiffies(cpus) -> tuple[int, int]:
+    """(busy, total) clock ticks so far, summed over ``cpus`` (from /proc/stat)."""
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks = [int(x) for x in fields[:8]]     # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def _own_jiffies() -> int:
+    """This process's user + system clock ticks so far (/proc/self/stat)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def _version(name: str) -> str:
