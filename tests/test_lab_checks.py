@@ -1,7 +1,7 @@
 """The lab checks: they pass a correct scheduler and reject typical mistakes with a useful hint.
 
-The reference below is written out again here (not imported from labs/lab01_trace.py),
-so that the checks are tested against an independent implementation.
+The reference below is the lab's solution written out again here (the package ships none;
+its checks replay the engine's trace), so the checks are tested against an independent one.
 """
 
 import re
@@ -14,7 +14,8 @@ import pytest
 matplotlib.use("Agg")
 
 from tinyserve.labs import check_continuous_step, check_end_to_end, check_retire  # noqa: E402
-from tinyserve.labs.lab01_trace import engine_trace, workloads  # noqa: E402
+from tinyserve.labs.lab01 import drive  # noqa: E402
+from tinyserve.labs.lab01_trace import engine_trace, replayed_retire, replayed_step, workloads  # noqa: E402
 
 
 def finished(request, config):
@@ -102,6 +103,17 @@ def test_workloads_never_preempt_and_each_limit_binds():
     # Chunked prefill happens somewhere: a request is planned for fewer tokens than its prompt.
     assert any(n < len(s.prompt) for w in ws for step in engine_trace(w).steps
                for rid, n in step.plan for s in w.specs if s.request_id == rid and n > 1)
+
+
+def test_the_engine_replayed_as_both_functions_is_the_engine():
+    # The harness's partners (the engine's own decisions replayed) drive every workload to the
+    # engine's outputs and blocks, so a failure in check_retire / check_continuous_step is the
+    # student's function, never its partner.
+    import tinyserve.labs.lab01_trace as trace_module
+    assert not hasattr(trace_module, "reference_step") and not hasattr(trace_module, "reference_retire")
+    for w in workloads():
+        trace = engine_trace(w)
+        assert drive(w, replayed_retire(trace), replayed_step(trace), trace) == len(trace.steps)
 
 
 # ---- the reference passes -------------------------------------------------------------

@@ -31,8 +31,8 @@ from collections import deque
 from tinyserve.kv_cache import BlockManager
 from tinyserve.labs.hints import at_step, fail
 from tinyserve.labs.lab01_explain import explain_plan, plan_step, retire_step
-from tinyserve.labs.lab01_trace import (EOS, Trace, Workload, engine_trace, fake_token, reference_retire,
-                                        reference_step, workloads)
+from tinyserve.labs.lab01_trace import (EOS, Trace, Workload, engine_trace, fake_token, replayed_retire,
+                                        replayed_step, workloads)
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import ScheduledRequest, SchedulerConfig, SchedulerOutput
 
@@ -155,7 +155,8 @@ def check_retire(retire):
     _unit_retire_cases(retire)
     ws = workloads()
     for w in ws:
-        drive(w, retire, reference_step, engine_trace(w), who="continuous_step (reference)")
+        trace = engine_trace(w)
+        drive(w, retire, replayed_step(trace), trace, who="continuous_step (the engine's, replayed)")
     print(f"✓ retire 通过：手工用例 + {len(ws)} 个随机负载，与引擎逐步一致 "
           f"/ retire passed hand-made cases and {len(ws)} random workloads")
 
@@ -175,11 +176,9 @@ def _queues(bm, running_specs, waiting_specs):
     return running, waiting
 
 
-def _step_case(step_fn, name, config, num_blocks, running_specs, waiting_specs):
-    """One hand-made step: the student's plan, queues and free blocks against ``reference_step``'s."""
-    bm_ref, bm = BlockManager(num_blocks, config.block_size), BlockManager(num_blocks, config.block_size)
-    ref_running, ref_waiting = _queues(bm_ref, running_specs, waiting_specs)
-    want = [(r.request_id, n) for r, n in reference_step(ref_running, ref_waiting, bm_ref, config)]
+def _step_case(step_fn, name, config, num_blocks, running_specs, waiting_specs, want, want_queues, want_free):
+    """One hand-made step: the student's plan, queues and free blocks against the ones worked out by hand."""
+    bm = BlockManager(num_blocks, config.block_size)
     running, waiting = _queues(bm, running_specs, waiting_specs)
     requests = {r.request_id: r for r in list(running) + list(waiting)}
     plan, before = plan_step(step_fn, "continuous_step", None, running, waiting, bm, config, requests)
@@ -189,28 +188,35 @@ def _step_case(step_fn, name, config, num_blocks, running_specs, waiting_specs):
             explain_plan(got, want, before, config, None)
         except AssertionError as e:
             raise AssertionError(f"[{name}] {e}") from None
-    if [r.request_id for r in running] != [r.request_id for r in ref_running] or \
-            [r.request_id for r in waiting] != [r.request_id for r in ref_waiting]:
-        fail(f"[{name}] 计划正确，但 running/waiting 不对：应为 {[r.request_id for r in ref_running]} / "
-             f"{[r.request_id for r in ref_waiting]}",
+    queues = ([r.request_id for r in running], [r.request_id for r in waiting])
+    if queues != want_queues:
+        fail(f"[{name}] 计划正确，但 running/waiting 不对：应为 {want_queues[0]} / {want_queues[1]}",
              f"[{name}] the plan is right but running/waiting are wrong: expected "
-             f"{[r.request_id for r in ref_running]} / {[r.request_id for r in ref_waiting]}")
-    if bm.num_free_blocks != bm_ref.num_free_blocks:
-        fail(f"[{name}] 空闲块 {bm.num_free_blocks} 个，应为 {bm_ref.num_free_blocks} 个",
-             f"[{name}] {bm.num_free_blocks} free blocks, expected {bm_ref.num_free_blocks}")
+             f"{want_queues[0]} / {want_queues[1]}")
+    if bm.num_free_blocks != want_free:
+        fail(f"[{name}] 空闲块 {bm.num_free_blocks} 个，应为 {want_free} 个",
+             f"[{name}] {bm.num_free_blocks} free blocks, expected {want_free}")
 
 
 def _unit_step_cases(step_fn):
-    """Small situations where one limit decides, with a targeted hint each."""
+    """Small situations where one limit decides, with a targeted hint each; the expected step
+    is worked out by hand in the comment (block_size 4 unless said)."""
     cfg = lambda seats, budget, bs=4: SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=budget, block_size=bs)
-    # Seats: two decoding, room for one more.
-    _step_case(step_fn, "seats", cfg(3, 100), 64, [("0", 5, 5, [11]), ("1", 6, 6, [11])], [("2", 4), ("3", 4)])
-    # Budget: the second prompt only gets a chunk, the third nothing.
-    _step_case(step_fn, "budget", cfg(8, 16), 64, [], [("0", 10), ("1", 10), ("2", 10)])
-    # Running first: a half-prefilled request continues before anyone is admitted.
-    _step_case(step_fn, "running first", cfg(8, 14), 64, [("0", 20, 8, []), ("1", 5, 5, [11])], [("2", 6)])
-    # Blocks: the head needs 3 blocks, 2 are free; the next one would fit but must wait.
-    _step_case(step_fn, "blocks (FCFS)", cfg(8, 64), 4, [("0", 7, 7, [11])], [("1", 10), ("2", 3)])
+    # Seats: two decoding (1 token each, 2 blocks each), room for one more: "2" prefills 4 tokens
+    # in 1 block; 64 - 5 = 59 blocks left, "3" waits for a seat.
+    _step_case(step_fn, "seats", cfg(3, 100), 64, [("0", 5, 5, [11]), ("1", 6, 6, [11])], [("2", 4), ("3", 4)],
+               [("0", 1), ("1", 1), ("2", 4)], (["0", "1", "2"], ["3"]), 59)
+    # Budget 16: "0" prefills 10 (3 blocks), "1" only gets a 6-token chunk (2 blocks), "2" nothing.
+    _step_case(step_fn, "budget", cfg(8, 16), 64, [], [("0", 10), ("1", 10), ("2", 10)],
+               [("0", 10), ("1", 6)], (["0", "1"], ["2"]), 59)
+    # Running first, budget 14: the half-prefilled "0" continues with its 12 tokens (5 blocks), "1"
+    # decodes (2 blocks), and the 1 token left admits "2" with a 1-token chunk (1 block).
+    _step_case(step_fn, "running first", cfg(8, 14), 64, [("0", 20, 8, []), ("1", 5, 5, [11])], [("2", 6)],
+               [("0", 12), ("1", 1), ("2", 1)], (["0", "1", "2"], []), 56)
+    # Blocks: "0" holds 2 of the 4 blocks; the head "1" needs 3 for its 10 tokens, only 2 are free,
+    # so it waits, and "2" (which would fit) must wait behind it.
+    _step_case(step_fn, "blocks (FCFS)", cfg(8, 64), 4, [("0", 7, 7, [11])], [("1", 10), ("2", 3)],
+               [("0", 1)], (["0"], ["1", "2"]), 2)
 
 
 def check_continuous_step(continuous_step):
@@ -219,7 +225,8 @@ def check_continuous_step(continuous_step):
     ws = workloads()
     steps = 0
     for w in ws:
-        steps += drive(w, reference_retire, continuous_step, engine_trace(w))
+        trace = engine_trace(w)
+        steps += drive(w, replayed_retire(trace), continuous_step, trace)
     binding = sorted(set().union(*(w.binding for w in ws)))
     print(f"✓ continuous_step 通过：手工用例 + {len(ws)} 个随机负载（{steps} 步，座位/预算/块都曾是瓶颈："
           f"{', '.join(binding)}），与引擎的 Scheduler 逐步一致 "

@@ -3,8 +3,9 @@
 The checks of lab 01 (``tinyserve.labs.lab01``) run the student's functions
 next to the engine's real ``Scheduler``. This module holds the engine's side:
 seeded workloads chosen so that the engine never preempts, the engine's own
-step loop on them with a fake model (``engine_trace``), and reference versions
-of the two functions the student writes (to test one with the other fixed).
+step loop on them with a fake model (``engine_trace``), and that trace replayed
+as either function the student writes, to test the other one alone (no second
+implementation of the lab's answer ships in the package).
 """
 
 from __future__ import annotations
@@ -170,36 +171,41 @@ def engine_trace(w: Workload) -> Trace:
                  core.scheduler.num_preemptions)
 
 
-# ---- reference pieces (used to isolate the function under test) ---------------------
+# ---- the engine's decisions as the partner of the function under test ----------------
 
 def is_finished(request: Request, config: SchedulerConfig) -> bool:
     return bool(request.output_token_ids) and request.check_stop(config.max_model_len) is not None
 
 
-def reference_retire(running, block_manager, config):
-    finished = [r for r in running if is_finished(r, config)]
-    for r in finished:
-        running.remove(r)
-        block_manager.free(r.request_id)
-    return finished
+def replayed_step(trace: Trace):
+    """A ``continuous_step`` that replays the engine's own plans from ``trace``, step by step:
+    the partner of the student's ``retire`` while that one is tested alone."""
+    records = iter(trace.steps)
+
+    def step(running, waiting, block_manager, config):
+        record = next(records)
+        while waiting and waiting[0].request_id in record.running:     # admitted, in FCFS order
+            running.append(waiting.popleft())
+        by_id = {r.request_id: r for r in running}
+        plan = [(by_id[rid], n) for rid, n in record.plan]
+        for r, n in plan:
+            block_manager.allocate(r.request_id, r.num_computed_tokens + n)
+        return plan
+
+    return step
 
 
-def reference_step(running, waiting, block_manager, config):
-    plan, budget = [], config.max_num_batched_tokens
-    for r in running:
-        if budget == 0:
-            break
-        n = min(r.num_tokens - r.num_computed_tokens, budget)
-        block_manager.allocate(r.request_id, r.num_computed_tokens + n)
-        plan.append((r, n))
-        budget -= n
-    while waiting and len(running) < config.max_num_seqs and budget > 0:
-        r = waiting[0]
-        n = min(r.num_tokens - r.num_computed_tokens, budget)
-        if not block_manager.can_allocate(r.request_id, r.num_computed_tokens + n):
-            break
-        running.append(waiting.popleft())
-        block_manager.allocate(r.request_id, r.num_computed_tokens + n)
-        plan.append((r, n))
-        budget -= n
-    return plan
+def replayed_retire(trace: Trace):
+    """A ``retire`` that takes out what the engine retired at the end of the previous step
+    (nothing before the first): the partner of the student's ``continuous_step``."""
+    retired = iter([[]] + [record.finished for record in trace.steps])
+
+    def retire(running, block_manager, config):
+        ids = set(next(retired))
+        finished = [r for r in running if r.request_id in ids]
+        for r in finished:
+            running.remove(r)
+            block_manager.free(r.request_id)
+        return finished
+
+    return retire
