@@ -275,12 +275,13 @@ def fastest_packed(stack: GemmStack, batch: int):
     return path, packed
 
 
-def b1_over_read(stack: GemmStack, pairs: int = 7, path: str = "mkl") -> measure.PairedRatio:
+def b1_over_read(stack: GemmStack, pairs: int = 7, path: str | None = None) -> measure.PairedRatio:
     """CPU: the packed B=1 step over a plain read (a sum) of the same weights, interleaved:
     how close one decode step's GEMMs come to the weight-read floor, measured at the same
-    moment as the floor itself."""
+    moment as the floor itself. ``path``: "mkl" or "onednn"; by default the faster of the
+    two at B=1 on this CPU (``fastest_packed``), as the sweep uses."""
     with torch.inference_mode():
-        step = stack.step_fn(1, prepack=path)
+        step = stack.step_fn(1, prepack=path) if path else fastest_packed(stack, 1)[1]
         ratio = measure.paired_ratio(step, lambda: [w.sum() for w in stack.weights], pairs=pairs)
     stack.release()
     return ratio
