@@ -35,6 +35,15 @@ def test_least_outstanding_picks_minimum_and_rotates_ties():
     assert [p.choose((1,), [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
 
 
+def test_cache_aware_ties_rotate_or_go_to_the_smaller_index():
+    # Unrelated short keys on an idle fleet: every decision is the load fallback, a tie of all.
+    keys = [(1000 + k,) for k in range(4)]
+    rotating, lowest = CacheAware(3), CacheAware(3, rotate_ties=False)
+    assert [rotating.choose(k, [0, 0, 0]) for k in keys] == [0, 1, 2, 0]
+    assert [lowest.choose(k, [0, 0, 0]) for k in keys] == [0, 0, 0, 0]
+    assert lowest.choose((2000,), [4, 1, 1]) == 1          # the smaller of the least loaded
+
+
 def test_cache_aware_follows_the_longest_prefix():
     p = CacheAware(3)
     sys_a, sys_b = tuple(range(100, 164)), tuple(range(500, 564))

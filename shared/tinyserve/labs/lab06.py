@@ -13,9 +13,10 @@ The student writes two functions:
   the least loaded replica (ties: the smaller index). The key is then recorded
   in the chosen replica's tree, and only there.
 
-The checks call the functions on hand-made and random cases against a
-reference written out here, then run ``choose_replica`` inside the cluster
-simulator (``tinyserve.sim.cluster.simulate_cluster``) against round-robin on a
+The checks call the functions on hand-made and random cases against the
+package's own router (``tinyserve.sim.routing.CacheAware`` with ties to the
+smaller index), then run ``choose_replica`` inside the cluster simulator
+(``tinyserve.sim.cluster.simulate_cluster``) against round-robin on a
 shared-prefix workload. Each failure raises ``AssertionError`` with a hint in
 Chinese and English.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import random
 
 from tinyserve.labs.hints import call, fail
-from tinyserve.sim.routing import PrefixTree, RoutingPolicy
+from tinyserve.sim.routing import CacheAware, PrefixTree, RoutingPolicy
 
 __all__ = ["FunctionPolicy", "check_is_imbalanced", "check_choose_replica",
            "check_routing_in_simulator"]
@@ -48,30 +49,20 @@ def _show_args(args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-# ---- the reference (independent of tinyserve.sim.routing.CacheAware, whose ties rotate) -------
+# ---- what is right: the package's own router -------------------------------------------
 
 def _imbalanced(outstanding, abs_threshold, rel_threshold) -> bool:
-    hi, lo = max(outstanding), min(outstanding)
-    return hi - lo > abs_threshold and hi > rel_threshold * lo
+    return CacheAware(len(outstanding), abs_threshold, rel_threshold).imbalanced(outstanding)
 
 
-def _least_loaded(outstanding, candidates=None) -> int:
-    candidates = range(len(outstanding)) if candidates is None else candidates
-    return min(candidates, key=lambda i: (outstanding[i], i))
-
-
-def _reference_choose(key, outstanding, trees, balance_abs_threshold=8,
-                      balance_rel_threshold=1.5, min_match_ratio=0.1) -> int:
-    replica = None
-    if not _imbalanced(outstanding, balance_abs_threshold, balance_rel_threshold):
-        matches = [t.match(key) for t in trees]
-        best = max(matches)
-        if best > 0 and best >= min_match_ratio * len(key):
-            replica = _least_loaded(outstanding, [i for i, m in enumerate(matches) if m == best])
-    if replica is None:
-        replica = _least_loaded(outstanding)
-    trees[replica].insert(key)
-    return replica
+def _router_choice(key, outstanding, trees, balance_abs_threshold=8,
+                   balance_rel_threshold=1.5, min_match_ratio=0.1) -> int:
+    """The decision of ``tinyserve.sim.routing.CacheAware`` (ties to the smaller index) on
+    ``trees``, which it updates as it would its own."""
+    router = CacheAware(len(outstanding), balance_abs_threshold, balance_rel_threshold, min_match_ratio,
+                        rotate_ties=False)
+    router.trees = trees
+    return router.choose(key, outstanding)
 
 
 # ---- (a) the load guard -----------------------------------------------------------------
@@ -223,12 +214,12 @@ def _sizes(trees):
 
 
 def check_choose_replica(choose_replica):
-    """Hand-made cases with a hint each, then 400 random decisions against the reference."""
+    """Hand-made cases with a hint each, then 400 random decisions against the package's router."""
     for label, key, load, contents, kw, zh, en in _unit_cases():
         mine, ref = _trees(contents), _trees(contents)
         got = _call(choose_replica, "choose_replica", key, list(load), mine, **kw)
         _validate_choice(got, len(load), label)
-        want = _reference_choose(key, list(load), ref, **kw)
+        want = _router_choice(key, list(load), ref, **kw)
         if got != want:
             fail(f"[{label}] outstanding={load}：你选了副本 {got}，应为 {want}。{zh}",
                  f"[{label}] outstanding={load}: you chose replica {got}, expected {want}. {en}")
@@ -236,9 +227,9 @@ def check_choose_replica(choose_replica):
     _check_no_mutation(choose_replica)
     _check_random(choose_replica)
     print("✓ 空树→最空闲、并列→下标小、失衡→最空闲、最长匹配、短匹配不算、key 只记进被选副本的树；"
-          "另有 400 个随机决定与参考实现一致\n"
+          "另有 400 个随机决定与 tinyserve 的路由器（CacheAware）一致\n"
           "/ empty trees -> least loaded, ties -> smaller index, imbalance -> least loaded, longest match, "
-          "short matches ignored, key recorded in the chosen tree only; 400 random decisions match the reference")
+          "short matches ignored, key recorded in the chosen tree only; 400 random decisions match tinyserve's router (CacheAware)")
 
 
 def _check_recorded(key, got, mine, ref, contents, label):
@@ -282,7 +273,7 @@ def _check_random(choose_replica, rounds=400):
                          {"balance_abs_threshold": 0, "balance_rel_threshold": 1.0}])
         got = _call(choose_replica, "choose_replica", key, list(load), mine, **kw)
         _validate_choice(got, n, f"random decision #{k}")
-        want = _reference_choose(key, list(load), ref, **kw)
+        want = _router_choice(key, list(load), ref, **kw)
         if got != want:
             matches = [t.match(key) for t in ref]
             fail(f"[随机决定 #{k}] outstanding={load}、各树的匹配长度={matches}、key 长 {len(key)}、参数 {kw}："
@@ -293,9 +284,9 @@ def _check_random(choose_replica, rounds=400):
                  f"match if > 0 and >= min_match_ratio x len(key); equal matches -> fewer outstanding, then "
                  f"smaller index")
         if _sizes(mine) != _sizes(ref):
-            fail(f"[随机决定 #{k}] 决定对了，但树的内容和参考实现不同（大小 {_sizes(mine)} vs {_sizes(ref)}）："
+            fail(f"[随机决定 #{k}] 决定对了，但树的内容和 tinyserve 的路由器不同（大小 {_sizes(mine)} vs {_sizes(ref)}）："
                  f"每次决定后只调用一次 trees[replica].insert(key)",
-                 f"[random decision #{k}] right choice, but the trees differ from the reference (sizes "
+                 f"[random decision #{k}] right choice, but the trees differ from tinyserve's router's (sizes "
                  f"{_sizes(mine)} vs {_sizes(ref)}): call trees[replica].insert(key) exactly once per decision")
         load[want] += 1
         if rng.random() < 0.5:               # requests finish now and then

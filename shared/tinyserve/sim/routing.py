@@ -210,13 +210,16 @@ class CacheAware(RoutingPolicy):
 
     Defaults: ``balance_abs_threshold=8`` requests, ``balance_rel_threshold=1.5``,
     ``min_match_ratio=0.1`` of the key, ``max_tree_size=65536`` elements per
-    replica (about a small replica's KV cache, in tokens).
+    replica (about a small replica's KV cache, in tokens). When the least loaded
+    replicas tie, ``rotate_ties=True`` takes them in turn (an idle fleet still
+    spreads); ``False`` always takes the smaller index, the rule lab 06 states
+    (its checks hold the student's function against this router).
     """
     name = "cache_aware"
 
     def __init__(self, num_replicas: int, balance_abs_threshold: int = 8,
                  balance_rel_threshold: float = 1.5, min_match_ratio: float = 0.1,
-                 max_tree_size: int = 1 << 16):
+                 max_tree_size: int = 1 << 16, rotate_ties: bool = True):
         super().__init__(num_replicas)
         if not isinstance(balance_abs_threshold, int) or balance_abs_threshold < 0:
             raise ValueError(f"balance_abs_threshold must be an integer >= 0, "
@@ -230,6 +233,7 @@ class CacheAware(RoutingPolicy):
         self.min_match_ratio = min_match_ratio
         self.trees = [PrefixTree(max_tree_size) for _ in range(num_replicas)]
         self._tie = 0
+        self.rotate_ties = rotate_ties
         self.num_by_match = 0       # decisions taken by prefix match (for reports)
         self.num_by_load = 0        # decisions taken by the load guard
 
@@ -251,7 +255,8 @@ class CacheAware(RoutingPolicy):
                               key=lambda i: outstanding[i])
         if replica is None:
             replica = _least_loaded(outstanding, self._tie)
-            self._tie = (replica + 1) % self.num_replicas
+            if self.rotate_ties:
+                self._tie = (replica + 1) % self.num_replicas
             self.num_by_load += 1
         else:
             self.num_by_match += 1
