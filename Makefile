@@ -15,6 +15,9 @@ PORT ?= 8888
 OPEN ?= chapters/ch05_engine_and_scheduling/00_overview.ipynb
 # On students' machines, `make lab HIDE_SOLUTIONS=1` keeps solutions/ out of the file browser.
 HIDE_SOLUTIONS ?=
+# nbgrader's teacher tools (formgrader, course list, create assignment) stay hidden from readers
+# and students (the configuration in shared/jupyter); `make lab TEACHER=1` shows them.
+TEACHER ?=
 HIDDEN := solutions __pycache__ *.pyc *.pyo .DS_Store *~
 
 .DEFAULT_GOAL := help
@@ -51,6 +54,7 @@ $(STAMP): pyproject.toml | $(PY)
 
 # Jupyter refuses to run as root unless told; classroom containers often are root.
 lab: $(STAMP)
+	$(if $(TEACHER),,JUPYTER_CONFIG_PATH=$(CURDIR)/shared/jupyter$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH))) \
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --ServerApp.ip=$(HOST) --ServerApp.port=$(PORT) \
 		--LabApp.default_url=/lab/tree/$(OPEN) \
 		$(if $(HIDE_SOLUTIONS),$(foreach g,$(HIDDEN),--ContentsManager.hide_globs='$(g)')) \
