@@ -6,6 +6,8 @@ against the arrival rate (the notebook's inter-token-latency CDF is
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tinyserve.book.plots.common import ensure_axes, finish
@@ -13,24 +15,33 @@ from tinyserve.book.plots.common import ensure_axes, finish
 
 def plot_before_after(scenarios, before, after, ylabel, ax=None, slo=None, log=False,
                       title="Before and after the fix", labels=("before", "after")):
-    """Paired bars, one pair per scenario: a metric before and after its fix (``slo``: a dashed line)."""
+    """Paired bars, one pair per scenario: a metric before and after its fix (``slo``: a dashed
+    line). Each bar carries its value, so a bar too short to see still says what it is."""
     ax = ensure_axes(ax, (6, 3.2))
     x = np.arange(len(scenarios))
-    ax.bar(x - 0.2, before, 0.4, color="tab:red", alpha=0.8, label=labels[0])
-    ax.bar(x + 0.2, after, 0.4, color="tab:green", alpha=0.8, label=labels[1])
+    for offset, values, color, label in ((-0.2, before, "tab:red", labels[0]), (0.2, after, "tab:green", labels[1])):
+        bars = ax.bar(x + offset, values, 0.4, color=color, alpha=0.8, label=label)
+        ax.bar_label(bars, [_short(v) for v in values], fontsize=7, padding=1)
     if slo is not None:
         ax.axhline(slo, ls="--", color="black", lw=1, label="SLO")
     if log:
         ax.set_yscale("log")
+    ax.margins(y=0.15)
     ax.set_xticks(x, scenarios, fontsize=8)
     return finish(ax, title, ylabel=ylabel, grid="y")
+
+
+def _short(v: float) -> str:
+    """A bar's value in three significant digits at most (0.04, 7.3, 102)."""
+    return f"{v:.2g}" if abs(v) < 10 else f"{v:.0f}"
 
 
 def plot_waiting_queue(runs, ax=None, title="Waiting queue over time"):
     """Waiting-queue length against time for each run; ``runs`` maps a label to its step stats."""
     ax = ensure_axes(ax, (5.5, 3.2))
-    for label, steps in runs.items():
-        ax.plot([s.start for s in steps], [s.num_waiting for s in steps], lw=1.2, label=label)
+    # Runs that sit at 0 lie on one another: a line style each keeps every one visible.
+    for (label, steps), style in zip(runs.items(), itertools.cycle(["-", "--", ":", "-."])):
+        ax.plot([s.start for s in steps], [s.num_waiting for s in steps], lw=1.6, ls=style, label=label)
     return finish(ax, title, xlabel="time (s)", ylabel="requests waiting")
 
 
