@@ -54,11 +54,12 @@ def gantt(step_batches, ax=None, num_seats=None, title=None, label_min_steps=4):
     # Empty seat-steps: the grey background shows through wherever no request sits.
     ax.barh(range(num_seats), [num_steps] * num_seats, left=0, height=0.9,
             color="#e6e6e6", edgecolor="none")
-    cmap = plt.get_cmap("tab20")
+    # tab20 without its two greys (14, 15): a grey request would read as an empty seat.
+    colors = [plt.get_cmap("tab20")(i) for i in range(20) if i not in (14, 15)]
     for index, (rid, seat) in enumerate(seats.items()):
         first, last = spans[rid]
         width = last - first + 1
-        ax.barh(seat, width, left=first, height=0.9, color=cmap(index % 20),
+        ax.barh(seat, width, left=first, height=0.9, color=colors[index % len(colors)],
                 edgecolor="white", linewidth=0.5)
         if width >= label_min_steps:
             ax.text(first + width / 2, seat, str(rid), ha="center", va="center", fontsize=6)

@@ -72,7 +72,9 @@ def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=No
     right.set_ylabel("median TTFT of short requests (ms)", color="C0")
     lines = ax.get_legend_handles_labels()
     more = right.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="center right")
+    # Below the axes: inside, the legend sat on the curves.
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.2), ncol=2)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     return ax
@@ -119,7 +121,8 @@ def goodput_heatmap(table, policies, workloads, ax=None, title="Goodput under SL
         for j in range(len(workloads)):
             best = data[i, j] == hi[j]
             ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=8,
-                    fontweight="bold" if best else "normal")
+                    fontweight="bold" if best else "normal",
+                    color="white" if scaled[i, j] > 0.7 else "black")     # readable on dark green
     ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
     ax.set_yticks(range(len(policies)), policies, fontsize=8)
     ax.set_title(title + "\n(colour: rank within each workload; bold: best)", fontsize=9)
