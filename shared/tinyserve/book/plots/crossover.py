@@ -113,13 +113,13 @@ def latency_throughput(curves, ax=None, title="Latency vs throughput as the batc
     """Per-user tok/s (y) against total tok/s (x); ``curves`` maps a label to
     ``(batch_sizes, step_times_s)``. Batch sizes in ``annotate`` are labelled. Log-log."""
     ax = ensure_axes(ax, (5, 3.5))
-    for label, (b, t) in curves.items():
+    for k, (label, (b, t)) in enumerate(curves.items()):
         b, t = np.asarray(b, dtype=float), np.asarray(t, dtype=float)
         line, = ax.plot(b / t, 1 / t, "o-", ms=3, label=label)
         for x, y, bb in zip(b / t, 1 / t, b):
-            if bb in annotate:
+            if bb in annotate:       # every other curve labels below its points: no label on another
                 ax.annotate(f"B={bb:.0f}", (x, y), fontsize=7, color=line.get_color(),
-                            xytext=(3, 3), textcoords="offset points")
+                            xytext=(3, 3 if k % 2 == 0 else -10), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
     return finish(ax, title, xlabel="total tokens/s (all users)", ylabel="per-user tokens/s",
