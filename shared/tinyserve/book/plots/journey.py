@@ -124,7 +124,7 @@ def refcount_map(steps, refcounts, cached=None, ax=None, title="KV block refcoun
         ax.scatter(np.asarray(steps)[xs], ys, s=6, marker="s", color="lightgray",
                    label="free but still cached (refcount 0)")
         # Below the axes: inside, the legend hid the highest blocks.
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.24))
     plt.colorbar(im, ax=ax, label="refcount", ticks=range(1, top + 1))
     ax.set_xlabel("engine step")
     ax.set_ylabel("physical block id")

@@ -74,7 +74,7 @@ def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=No
     more = right.get_legend_handles_labels()
     # Below the axes: inside, the legend sat on the curves.
     ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.2), ncol=2)
+              bbox_to_anchor=(0.5, -0.3), ncol=2)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     return ax
