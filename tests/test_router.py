@@ -16,7 +16,7 @@ from tinyserve.serving.client import iter_sse
 from tinyserve.serving.router import (RouterConfig, build_router_app, compare_policies_async,
                                       shared_prefix_runs)
 from tinyserve.sim.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
-                               RoundRobin, make_routing_policy)
+                               RoundRobin, cache_aware_choice, make_routing_policy)
 from tinyserve.serving.processes import ServerProcess, free_port, launch_servers
 
 # ---- pure policies ----------------------------------------------------------------
@@ -35,13 +35,16 @@ def test_least_outstanding_picks_minimum_and_rotates_ties():
     assert [p.choose((1,), [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
 
 
-def test_cache_aware_ties_rotate_or_go_to_the_smaller_index():
+def test_cache_aware_ties_rotate_but_the_rule_takes_the_first_from_its_start():
     # Unrelated short keys on an idle fleet: every decision is the load fallback, a tie of all.
     keys = [(1000 + k,) for k in range(4)]
-    rotating, lowest = CacheAware(3), CacheAware(3, rotate_ties=False)
+    rotating = CacheAware(3)
     assert [rotating.choose(k, [0, 0, 0]) for k in keys] == [0, 1, 2, 0]
-    assert [lowest.choose(k, [0, 0, 0]) for k in keys] == [0, 0, 0, 0]
-    assert lowest.choose((2000,), [4, 1, 1]) == 1          # the smaller of the least loaded
+    trees = [PrefixTree(64) for _ in range(3)]
+    assert cache_aware_choice((2000,), [0, 0, 0], trees, 8, 1.5, 0.1) == (0, False)
+    assert cache_aware_choice((2000,), [4, 1, 1], trees, 8, 1.5, 0.1) == (1, False)   # smaller of the least loaded
+    assert cache_aware_choice((2000,), [1, 1, 0], trees, 8, 1.5, 0.1, tie_start=1) == (2, False)
+    assert all(t.size == 0 for t in trees)                    # the rule reads the trees only
 
 
 def test_cache_aware_follows_the_longest_prefix():

@@ -14,8 +14,8 @@ The student writes two functions:
   in the chosen replica's tree, and only there.
 
 The checks call the functions on hand-made and random cases against the
-package's own router (``tinyserve.sim.routing.CacheAware`` with ties to the
-smaller index), then run ``choose_replica`` inside the cluster simulator
+package's own router rule (``tinyserve.sim.routing.cache_aware_choice``, with
+ties to the smaller index), then run ``choose_replica`` inside the cluster simulator
 (``tinyserve.sim.cluster.simulate_cluster``) against round-robin on a
 shared-prefix workload. Each failure raises ``AssertionError`` with a hint in
 Chinese and English.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 
 from tinyserve.labs.hints import call, fail
-from tinyserve.sim.routing import CacheAware, PrefixTree, RoutingPolicy
+from tinyserve.sim.routing import PrefixTree, RoutingPolicy, cache_aware_choice, imbalanced
 
 __all__ = ["FunctionPolicy", "check_is_imbalanced", "check_choose_replica",
            "check_routing_in_simulator"]
@@ -51,18 +51,14 @@ def _show_args(args) -> str:
 
 # ---- what is right: the package's own router -------------------------------------------
 
-def _imbalanced(outstanding, abs_threshold, rel_threshold) -> bool:
-    return CacheAware(len(outstanding), abs_threshold, rel_threshold).imbalanced(outstanding)
-
-
 def _router_choice(key, outstanding, trees, balance_abs_threshold=8,
                    balance_rel_threshold=1.5, min_match_ratio=0.1) -> int:
-    """The decision of ``tinyserve.sim.routing.CacheAware`` (ties to the smaller index) on
-    ``trees``, which it updates as it would its own."""
-    router = CacheAware(len(outstanding), balance_abs_threshold, balance_rel_threshold, min_match_ratio,
-                        rotate_ties=False)
-    router.trees = trees
-    return router.choose(key, outstanding)
+    """The package router's rule (``tinyserve.sim.routing.cache_aware_choice``, ties to the
+    smaller index) on ``trees``, which it then updates as the router updates its own."""
+    replica, _ = cache_aware_choice(key, outstanding, trees, balance_abs_threshold,
+                                    balance_rel_threshold, min_match_ratio)
+    trees[replica].insert(key)
+    return replica
 
 
 # ---- (a) the load guard -----------------------------------------------------------------
@@ -94,7 +90,7 @@ def check_is_imbalanced(is_imbalanced):
         cases.append((load, rng.choice([0, 2, 4, 8]), rng.choice([1.0, 1.25, 1.5, 2.0]), None,
                       f"random fleet #{k}"))
     for load, a, r, expected, what in cases:
-        expected = _imbalanced(load, a, r) if expected is None else expected
+        expected = imbalanced(load, a, r) if expected is None else expected
         given = list(load)
         got = _call(is_imbalanced, "is_imbalanced", given, a, r)
         if given != load:
@@ -108,7 +104,7 @@ def check_is_imbalanced(is_imbalanced):
             continue
         hi, lo = max(load), min(load)
         cond_abs, cond_rel = hi - lo > a, hi > r * lo
-        if (a, r) != (8, 1.5) and got == _imbalanced(load, 8, 1.5):
+        if (a, r) != (8, 1.5) and got == imbalanced(load, 8, 1.5):
             zh = (f"outstanding={load}、abs={a}、rel={r}：你的答案和阈值 8、1.5 时一样——用参数 abs_threshold、"
                   f"rel_threshold，不要写死默认值（{what}）")
             en = (f"outstanding={load}, abs={a}, rel={r}: your answer is the one for thresholds 8 and 1.5; "
