@@ -182,13 +182,14 @@ def free_cores(sample: float = 0.3) -> int:
     this process's own CPU time says how many cores others use. A torch op split over
     N threads waits for its slowest thread, so one thread sharing a core with a busy
     program slows every op down (on a 2-core machine beside one busy process, a whole
-    notebook ran over 10 times slower on 2 threads). Where ``/proc`` is missing, all
-    usable cores.
+    notebook ran over 10 times slower on 2 threads). A virtual machine's steal time (the
+    host running someone else on our core) counts as busy: the core is not ours then.
+    Where ``/proc`` is missing, all usable cores.
     """
-    cores = usable_cores()
     if not (hasattr(os, "sched_getaffinity") and os.path.exists("/proc/stat")):
-        return cores
+        return usable_cores()
     cpus = os.sched_getaffinity(0)
+    cores = len(cpus)
     busy0, total0, own0 = *_cpu_jiffies(cpus), _own_jiffies()
     time.sleep(sample)
     busy1, total1, own1 = *_cpu_jiffies(cpus), _own_jiffies()
