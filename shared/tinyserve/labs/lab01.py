@@ -329,7 +329,7 @@ def _plot_run(batches, held, config):
     import matplotlib.pyplot as plt
 
     from tinyserve.book import plots
-    fig, axes = plt.subplots(2, 1, figsize=(10, 4), dpi=90, sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4), sharex=True)
     plots.gantt(batches, ax=axes[0], num_seats=config["max_num_seqs"], title="your continuous batching")
     axes[0].set_xlabel("")
     plots.kv_blocks_timeline({"your scheduler": held}, capacity=config["num_kv_blocks"], ax=axes[1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tinyserve.labs.hints import fail
 from tinyserve.labs.lab03 import best_hinge_at, student_call, student_number
+from tinyserve.book.plots.common import SMALL, TITLE
 
 __all__ = ["check_my_machine"]
 
@@ -138,7 +139,7 @@ def _plot_machine(spec, model, b, t, knee, predicted, floor, slope):
 
     from tinyserve import hardware as H
 
-    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(b, t * 1e3, "o", color="C0", label="measured step time")
     bb = np.geomspace(b.min(), b.max(), 200)
     ax.plot(bb, (floor + slope * np.maximum(bb - knee, 0)) * 1e3, "-", color="C0", alpha=0.7,
@@ -152,13 +153,13 @@ def _plot_machine(spec, model, b, t, knee, predicted, floor, slope):
     ax.set_ylim(0, 1.15 * max(t.max(), max(roof)) * 1e3)
     top = ax.get_ylim()[1]
     ax.annotate(f"your knee {knee:.0f}", (knee, top), xytext=(3, -12),
-                textcoords="offset points", color="C0", fontsize=8)
+                textcoords="offset points", color="C0", fontsize=SMALL)
     ax.annotate(f"predicted crossover {predicted:.0f}", (predicted, top), xytext=(3, -24),
-                textcoords="offset points", color="C1", fontsize=8)
+                textcoords="offset points", color="C1", fontsize=SMALL)
     ax.set_xlabel("batch size B (rows per matmul)")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(f"{model.name}, fp32, one thread of this CPU", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"{model.name}, fp32, one thread of this CPU", fontsize=TITLE)
+    ax.legend(fontsize=SMALL, loc="lower right")
     fig.tight_layout()
     plt.show()
 

@@ -17,6 +17,7 @@ from tinyserve.labs.hints import call, fail
 from tinyserve.request import Request, SamplingParams
 from tinyserve.policies import Policy, PriorityPolicy
 from tinyserve.workload import RequestSpec, make_workload
+from tinyserve.book.plots.common import SMALL, TITLE
 
 __all__ = ["check_aging_argument", "check_priority_choice", "check_equal_priorities_is_fcfs",
            "check_bounded_starvation"]
@@ -332,7 +333,7 @@ def _check_within_bounds(rows, aging, p):
 def _plot_starvation(rows0, rows, aged, aging, p):
     """The priority-``p`` requests' waits at aging 0 and ``aging``, the bound, the priority-0 waits."""
     import matplotlib.pyplot as plt
-    _, ax = plt.subplots(figsize=(5.5, 3.3), dpi=90)
+    _, ax = plt.subplots(figsize=(5.5, 3.3))
     ax.plot([a for a, _, _ in rows0], [w for _, w, _ in rows0], "o-", color="C3", label="aging = 0 (starves)")
     ax.plot([a for a, _, _ in rows], [w for _, w, _ in rows], "s-", color="C0", label=f"aging = {aging:g}")
     ax.plot([a for a, _, _ in rows], [b for _, _, b in rows], "--", color="C0", alpha=0.6,
@@ -341,7 +342,7 @@ def _plot_starvation(rows0, rows, aged, aging, p):
     ax.plot(*zip(*stream), ".", color="gray", ms=2, alpha=0.5, label="priority-0 waits")
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("queue wait (s)")
-    ax.set_title(f"Priority-{p} requests behind a priority-0 stream", fontsize=10)
+    ax.set_title(f"Priority-{p} requests behind a priority-0 stream", fontsize=TITLE)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=SMALL)
     plt.show()

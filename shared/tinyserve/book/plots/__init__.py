@@ -2,14 +2,17 @@
 
 One module per notebook (``batching`` 01, ``fusion`` 02, ``continuous`` 03,
 ``crossover`` 04, ``journey`` 05, ``policies`` 06, ``orchestration`` 07,
-``tuning`` 08), with the shared axes helper in ``common``. Each function takes
+``tuning`` 08), with the shared axes helpers and the book's one figure style in ``common``. Each function takes
 data (lists, dicts, step stats) and an optional matplotlib ``ax``, draws, and
 returns the axes, so notebooks, widgets and labs share them. Everything public is
 re-exported here: notebooks write ``from tinyserve.book import plots`` and call
 ``plots.<name>(...)`` whichever module the figure lives in.
 """
 
-from tinyserve.book.plots.batching import (  # noqa: F401  (re-exported)
+from tinyserve.book.plots.common import (  # noqa: F401  (re-exported; importing it sets the style)
+    DPI, SMALL, MEDIUM, TITLE, ensure_axes, finish,
+)
+from tinyserve.book.plots.batching import (  # noqa: F401
     plot_step_time_vs_batch, plot_per_request_time, plot_tradeoff_bars, plot_request_timeline,
     plot_queue_length, plot_ttft_vs_arrival,
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL, TITLE
 
 
 def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None,
@@ -57,7 +57,7 @@ def plot_tradeoff_bars(configs, measured, predicted=None, axes=None, xlabel="max
     """
     metrics = list(measured)
     if axes is None:
-        _, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2), dpi=90)
+        _, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2))
     axes = np.atleast_1d(axes)
     x = np.arange(len(configs))
     for ax, metric, color in zip(axes, metrics, ("tab:blue", "tab:orange", "tab:red", "tab:green")):
@@ -66,9 +66,9 @@ def plot_tradeoff_bars(configs, measured, predicted=None, axes=None, xlabel="max
             ax.plot(x, predicted[metric], "D", color="black", ms=6, label="predicted")
         ax.set_xticks(x, [str(c) for c in configs])
         ax.set_xlabel(xlabel)
-        ax.set_title(metric, fontsize=10)
+        ax.set_title(metric, fontsize=TITLE)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=SMALL)
     axes[0].figure.tight_layout()
     return axes
 
@@ -90,8 +90,8 @@ def plot_request_timeline(spans, ax=None, title="Who is in the batch, and when")
     ax.invert_yaxis()
     ax.set_xlabel("time since the first arrival (s)")
     ax.set_ylabel("request (queue order)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, title="solid: in batch\npale: queued", title_fontsize=7, loc="upper right")
+    ax.set_title(title, fontsize=TITLE)
+    ax.legend(fontsize=SMALL, title="solid: in batch\npale: queued", title_fontsize=SMALL, loc="upper right")
     return ax
 
 
@@ -128,5 +128,5 @@ def plot_ttft_vs_arrival(series, ax=None, title="TTFT by arrival time"):
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, markerscale=3)
+    ax.legend(fontsize=SMALL, markerscale=3)
     return ax

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from tinyserve.book.plots.common import ensure_axes
+from tinyserve.book.plots.common import ensure_axes, SMALL, TITLE
 
 
 def _batch_ids(step):
@@ -62,7 +62,7 @@ def gantt(step_batches, ax=None, num_seats=None, title=None, label_min_steps=4):
         ax.barh(seat, width, left=first, height=0.9, color=colors[index % len(colors)],
                 edgecolor="white", linewidth=0.5)
         if width >= label_min_steps:
-            ax.text(first + width / 2, seat, str(rid), ha="center", va="center", fontsize=6)
+            ax.text(first + width / 2, seat, str(rid), ha="center", va="center", fontsize=SMALL)
     ax.set_xlim(0, num_steps)
     ax.set_ylim(num_seats - 0.5, -0.5)
     ax.set_yticks(range(num_seats))
@@ -71,7 +71,7 @@ def gantt(step_batches, ax=None, num_seats=None, title=None, label_min_steps=4):
     busy = sum(len(_batch_ids(b)) for b in step_batches)
     util = busy / (num_seats * num_steps) if num_steps else 0.0
     ax.set_title(f"{title + ': ' if title else ''}{num_steps} steps, "
-                 f"seats busy {util:.0%} of the time", fontsize=10)
+                 f"seats busy {util:.0%} of the time", fontsize=TITLE)
     return ax
 
 
@@ -98,7 +98,7 @@ def kv_blocks_timeline(series, exits=None, capacity=None, ax=None):
     ax.set_ylabel("KV blocks in use")
     top = max([capacity or 0] + [max(held, default=0) for held in series.values()])
     ax.set_ylim(0, top * 1.45 + 1)          # headroom for the legend above the curves
-    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.legend(fontsize=SMALL, loc="upper right", ncol=2)
     return ax
 
 
@@ -113,14 +113,14 @@ def predicted_vs_measured(labels, predicted, measured, ax=None, ylabel="", title
         bars = ax.bar([x + offset for x in xs], values, width, label=name, color=color)
         for bar, v in zip(bars, values):
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), fmt.format(v),
-                    ha="center", va="bottom", fontsize=7)
+                    ha="center", va="bottom", fontsize=SMALL)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels)
     ax.set_ylabel(ylabel)
     ax.margins(y=0.15)
     if title:
-        ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=TITLE)
+    ax.legend(fontsize=SMALL)
     return ax
 
 
@@ -138,5 +138,5 @@ def step_cost_fit(points, model, ax=None, xlabel="tokens in the step"):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
+    ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
     return ax

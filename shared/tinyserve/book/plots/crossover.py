@@ -9,7 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL, TITLE
 
 
 def crossover_with_context(hw, model, dtype, context_len=0):
@@ -35,7 +35,7 @@ def crossover_explorer(hw, model, dtype="fp16", context_len=0, ax=None, max_batc
     from tinyserve import hardware as hwm
 
     if ax is None:
-        _, ax = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
+        _, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     left, right = ax
     b = np.unique(np.geomspace(1, max_batch, 200).round())
     step = np.array([hwm.decode_step_time(hw, model, x, dtype, context_len) for x in b])
@@ -64,10 +64,10 @@ def crossover_explorer(hw, model, dtype="fp16", context_len=0, ax=None, max_batc
     twin.set_ylabel("total tokens/s", color="tab:orange")
     right.set_ylim(bottom=0)
     twin.set_ylim(bottom=0)
-    right.set_title("Throughput per user and in total", fontsize=10)
+    right.set_title("Throughput per user and in total", fontsize=TITLE)
     right.grid(alpha=0.3)
     lines = right.get_lines()[:1] + twin.get_lines()
-    right.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="center left")
+    right.legend(lines, [line.get_label() for line in lines], fontsize=SMALL, loc="center left")
     left.figure.tight_layout()
     return left, right
 
@@ -118,7 +118,7 @@ def latency_throughput(curves, ax=None, title="Latency vs throughput as the batc
         line, = ax.plot(b / t, 1 / t, "o-", ms=3, label=label)
         for x, y, bb in zip(b / t, 1 / t, b):
             if bb in annotate:       # every other curve labels below its points: no label on another
-                ax.annotate(f"B={bb:.0f}", (x, y), fontsize=7, color=line.get_color(),
+                ax.annotate(f"B={bb:.0f}", (x, y), fontsize=SMALL, color=line.get_color(),
                             xytext=(3, 3 if k % 2 == 0 else -10), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL, TITLE
 
 
 def bytes_moved_bars(labels, unfused, fused, ax=None, title="Bytes moved per call",
@@ -22,13 +22,13 @@ def bytes_moved_bars(labels, unfused, fused, ax=None, title="Bytes moved per cal
         bars = ax.bar(x + offset, vals, width, label=name, color=color, alpha=0.8)
         for bar, v in zip(bars, vals):
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.3g}",
-                    ha="center", va="bottom", fontsize=7)
+                    ha="center", va="bottom", fontsize=SMALL)
     ax.set_xticks(x, labels)
     ax.set_yscale("log")
     ax.set_ylabel(f"bytes read + written ({unit_name})")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=TITLE)
     ax.margins(y=0.2)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=SMALL)
     return ax
 
 
@@ -48,13 +48,13 @@ def bandwidth_bars(rows, copy_gbps, ax=None, title="Achieved bandwidth", label_k
         s = r.get("speedup_vs_eager")
         text = f"{r['GBps']:.1f} GB/s" + (f"\n{s:.1f}x faster" if s and abs(s - 1) > 1e-9 else "")
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text,
-                ha="center", va="bottom", fontsize=7)
+                ha="center", va="bottom", fontsize=SMALL)
     ax.axhline(copy_gbps, color="black", ls="--", lw=1.2, label=f"copy: {copy_gbps:.1f} GB/s")
-    ax.set_xticks(range(len(rows)), [lab.replace(", ", "\n") for lab in labels], fontsize=7)
+    ax.set_xticks(range(len(rows)), [lab.replace(", ", "\n") for lab in labels], fontsize=SMALL)
     ax.set_ylabel("GB/s (bytes moved / time)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=TITLE)
     ax.margins(y=0.2)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=SMALL, loc="upper right")
     return ax
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL
 
 
 WATERFALL_STAGES = ("tokenize", "queued", "prefill", "first token", "decode", "detokenize",
@@ -71,10 +71,10 @@ def waterfall(output, ax=None, title="One request's journey through the engine")
         ax.barh(y, width, left=start * 1e3, height=0.6, color=shade, edgecolor="black", lw=0.3)
         if stage == "prefill":
             n_tok = getattr(output, "metrics", output).schedule_log[chunk - 1][1]
-            ax.text(start * 1e3 + width / 2, y, f"{n_tok}", ha="center", va="center", fontsize=7)
+            ax.text(start * 1e3 + width / 2, y, f"{n_tok}", ha="center", va="center", fontsize=SMALL)
         if stage in ("tokenize", "queued", "detokenize"):
             ax.annotate(f"{dur * 1e3:.2f} ms", (start * 1e3 + width, y), xytext=(3, 0),
-                        textcoords="offset points", va="center", fontsize=7)
+                        textcoords="offset points", va="center", fontsize=SMALL)
     ax.set_yticks(range(len(WATERFALL_STAGES)), WATERFALL_STAGES)
     ax.invert_yaxis()
     ax.set_xlabel("time since arrival (ms); numbers in prefill bars = tokens per chunk")
@@ -100,7 +100,7 @@ def itl_spikes(series, arrival_step=None, predicted=None, ax=None,
     ax.set_ylabel("ITL (ms)")
     ax.set_yscale("log")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
+    ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
     return ax
 
 
@@ -124,7 +124,7 @@ def refcount_map(steps, refcounts, cached=None, ax=None, title="KV block refcoun
         ax.scatter(np.asarray(steps)[xs], ys, s=6, marker="s", color="lightgray",
                    label="free but still cached (refcount 0)")
         # Below the axes: inside, the legend hid the highest blocks.
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.24))
+        ax.legend(fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.24))
     plt.colorbar(im, ax=ax, label="refcount", ticks=range(1, top + 1))
     ax.set_xlabel("engine step")
     ax.set_ylabel("physical block id")
@@ -144,5 +144,5 @@ def tokenizer_vs_engine(concurrency, engine_rates, tokenizer_rate, ax=None,
     ax.set_yscale("log")
     finish(ax, title, xlabel="concurrent prompts in one step", ylabel="prompt tokens / s",
            grid="both", legend=None)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the data
+    ax.legend(fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the data
     return ax

@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL, MEDIUM, TITLE
 
 
 def layer_trace(rows, ax=None, title="One request through the four layers", xlabel="ms"):
@@ -29,22 +29,22 @@ def routing_policy_bars(policies, hit_rates, ttft_ms, predicted_hit=None, axes=N
                         title=None, ttft_label="mean TTFT (ms)"):
     """Two panels per routing policy: prefix-cache hit rate (with predictions) and TTFT."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=90)
+        _, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     x = np.arange(len(policies))
     colors = [f"C{i}" for i in range(len(policies))]
     axes[0].bar(x, hit_rates, 0.6, color=colors, label="measured")
     if predicted_hit is not None:
         axes[0].plot(x, predicted_hit, "k_", ms=28, mew=2.5, label="predicted")
-        axes[0].legend(fontsize=8)
+        axes[0].legend(fontsize=SMALL)
     axes[0].set_ylabel("prefix-cache hit rate")
     axes[0].set_ylim(0, 1)
     axes[1].bar(x, ttft_ms, 0.6, color=colors)
     axes[1].set_ylabel(ttft_label)
     for ax in axes:
-        ax.set_xticks(x, policies, fontsize=8)
+        ax.set_xticks(x, policies, fontsize=SMALL)
         ax.grid(alpha=0.3, axis="y")
     if title:
-        axes[0].figure.suptitle(title, fontsize=10)
+        axes[0].figure.suptitle(title, fontsize=TITLE)
     return axes
 
 
@@ -56,7 +56,7 @@ def routing_vs_replicas(num_replicas, series, predicted_hit=None, axes=None,
     ``predicted_hit`` maps a policy to one predicted hit rate per fleet size (dashed).
     """
     if axes is None:
-        _, axes = plt.subplots(1, 3, figsize=(12, 3.3), dpi=90)
+        _, axes = plt.subplots(1, 3, figsize=(12, 3.3))
     keys = [("hit_rate", "prefix-cache hit rate"), ("mean_ttft_ms", "mean TTFT (ms)"),
             ("load_imbalance", "max / min requests per replica")]
     for i, (policy, values) in enumerate(series.items()):
@@ -72,8 +72,8 @@ def routing_vs_replicas(num_replicas, series, predicted_hit=None, axes=None,
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=7)
-    axes[0].figure.suptitle(title, fontsize=10)
+    axes[0].legend(fontsize=SMALL)
+    axes[0].figure.suptitle(title, fontsize=TITLE)
     return axes
 
 
@@ -88,7 +88,7 @@ def disaggregation_bars(labels, panels, axes=None, highlight=0, ttft_slo_ms=None
     """
     rows = len(panels)
     if axes is None:
-        _, axes = plt.subplots(rows, 3, figsize=(12, 2.9 * rows), dpi=90, squeeze=False)
+        _, axes = plt.subplots(rows, 3, figsize=(12, 2.9 * rows), squeeze=False)
     x = np.arange(len(labels))
     colors = ["0.3" if i == highlight else "C0" for i in range(len(labels))]
     names = [("goodput", "goodput (req/s)"), ("mean_ttft_ms", "mean TTFT (ms)"),
@@ -97,18 +97,18 @@ def disaggregation_bars(labels, panels, axes=None, highlight=0, ttft_slo_ms=None
         for c, (key, ylabel) in enumerate(names):
             ax = axes[r][c]
             ax.bar(x, values[key], 0.65, color=colors)
-            ax.set_xticks(x, labels, fontsize=8)
-            ax.set_ylabel(ylabel, fontsize=8)
+            ax.set_xticks(x, labels, fontsize=SMALL)
+            ax.set_ylabel(ylabel, fontsize=SMALL)
             ax.grid(alpha=0.3, axis="y")
             if key == "mean_ttft_ms" and max(values[key]) > 20 * min(values[key]):
                 ax.set_yscale("log")
             slo = {"mean_ttft_ms": ttft_slo_ms, "mean_tpot_ms": tpot_slo_ms}.get(key)
             if slo is not None:
                 ax.axhline(slo, color="C3", ls="--", lw=1.2, label="SLO")
-                ax.legend(fontsize=7)
+                ax.legend(fontsize=SMALL)
             if c == 0:
-                ax.set_title(workload, fontsize=9, loc="left")
-    axes[0][0].figure.suptitle(title, fontsize=10)
+                ax.set_title(workload, fontsize=MEDIUM, loc="left")
+    axes[0][0].figure.suptitle(title, fontsize=TITLE)
     return axes
 
 

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL, MEDIUM, TITLE
 from tinyserve.sim.fidelity import FIT_METRICS
 
 
@@ -33,7 +33,7 @@ def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requ
             span += [v[0], v[-1]]
     for label, x in (marks or {}).items():
         ax.axvline(x * scale, color="gray", ls=":", lw=1)
-        ax.annotate(label, (x * scale, 0.5), fontsize=7, color="gray", ha="center", va="center",
+        ax.annotate(label, (x * scale, 0.5), fontsize=SMALL, color="gray", ha="center", va="center",
                     bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
     if log:
         ax.set_xscale("log")
@@ -73,9 +73,9 @@ def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=No
     lines = ax.get_legend_handles_labels()
     more = right.get_legend_handles_labels()
     # Below the axes: inside, the legend sat on the curves.
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper center",
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=SMALL, loc="upper center",
               bbox_to_anchor=(0.5, -0.3), ncol=2)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=TITLE)
     ax.grid(alpha=0.3)
     return ax
 
@@ -84,7 +84,7 @@ def metric_bars(labels, panels, axes=None, title=None):
     """Side-by-side bar panels: ``panels`` maps a panel title to one value per label
     (or to ``(measured, predicted)`` lists, the prediction drawn as a hollow bar)."""
     if axes is None:
-        _, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), dpi=90)
+        _, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
     axes = np.atleast_1d(axes)
     x = np.arange(len(labels))
     for ax, (name, values) in zip(axes, panels.items()):
@@ -92,18 +92,18 @@ def metric_bars(labels, panels, axes=None, title=None):
             measured, predicted = values
             ax.bar(x - 0.2, measured, 0.4, color=[f"C{i}" for i in range(len(labels))], label="measured")
             ax.bar(x + 0.2, predicted, 0.4, fill=False, edgecolor="k", hatch="//", label="predicted")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=SMALL)
         else:
             measured = values
             ax.bar(x, measured, 0.6, color=[f"C{i}" for i in range(len(labels))])
         for xi, v in zip(x, measured):
             ax.annotate(f"{v:.3g}", (xi - (0.2 if isinstance(values, tuple) else 0), v), ha="center",
-                        va="bottom", fontsize=7)
-        ax.set_xticks(x, labels, rotation=20, fontsize=8)
-        ax.set_title(name, fontsize=9)
+                        va="bottom", fontsize=SMALL)
+        ax.set_xticks(x, labels, rotation=20, fontsize=SMALL)
+        ax.set_title(name, fontsize=MEDIUM)
         ax.grid(alpha=0.3, axis="y")
     if title:
-        axes[0].figure.suptitle(title, fontsize=10)
+        axes[0].figure.suptitle(title, fontsize=TITLE)
     axes[0].figure.tight_layout()
     return axes
 
@@ -120,12 +120,12 @@ def goodput_heatmap(table, policies, workloads, ax=None, title="Goodput under SL
     for i in range(len(policies)):
         for j in range(len(workloads)):
             best = data[i, j] == hi[j]
-            ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=8,
+            ax.text(j, i, fmt.format(data[i, j]), ha="center", va="center", fontsize=SMALL,
                     fontweight="bold" if best else "normal",
                     color="white" if scaled[i, j] > 0.7 else "black")     # readable on dark green
-    ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
-    ax.set_yticks(range(len(policies)), policies, fontsize=8)
-    ax.set_title(title + "\n(colour: rank within each workload; bold: best)", fontsize=9)
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=SMALL)
+    ax.set_yticks(range(len(policies)), policies, fontsize=SMALL)
+    ax.set_title(title + "\n(colour: rank within each workload; bold: best)", fontsize=MEDIUM)
     return ax
 
 
@@ -134,7 +134,7 @@ def scheduling_dashboard(result, label=None, axes=None, ttft_slo=None, tpot_slo=
     ``result`` is a ``tinyserve.sim.SimResult`` (or a dict label -> SimResult to compare)."""
     runs = result if isinstance(result, dict) else {label or result.config.get("policy", "run"): result}
     if axes is None:
-        _, axes = plt.subplots(1, 3, figsize=(12, 3.3), dpi=90)
+        _, axes = plt.subplots(1, 3, figsize=(12, 3.3))
     ttft = {k: [m.ttft for m in r.metrics if m.ttft is not None] for k, r in runs.items()}
     tpot = {k: [m.tpot for m in r.metrics if m.tpot is not None] for k, r in runs.items()}
     cdf(ttft, ax=axes[0], title="TTFT", xlabel="TTFT (s)",
@@ -161,12 +161,12 @@ def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine"):
     ax.bar(x + 0.2, simulated, 0.4, label="simulator / engine")
     for xi, r in zip(x, rows):
         ax.text(xi + 0.2, r["simulator"] / r["engine"] + 0.02, f"{100 * r['error']:+.0f}%",
-                ha="center", fontsize=8)
+                ha="center", fontsize=SMALL)
     ax.axhspan(0.8, 1.2, color="grey", alpha=0.15, label="within 20%")
-    ax.set_xticks(x, [r["metric"] for r in rows], fontsize=8)
+    ax.set_xticks(x, [r["metric"] for r in rows], fontsize=SMALL)
     ax.set_ylabel("ratio to the real engine")
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=SMALL, loc="lower right")
     return ax
 
 
@@ -177,7 +177,7 @@ def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
     the ``band`` shaded. Latency metrics are inverted so that > 1 always means
     "predicted faster than measured"."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=90, gridspec_kw={"width_ratios": [1, 1.6]})
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.6]})
     models = list(rows[0].predicted)
     by = {(r.id, r.metric): r for r in rows}
     conc = sorted(sweep)
@@ -196,10 +196,10 @@ def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
     axes[1].axhspan(1 - band, 1 + band, color="grey", alpha=0.15, label=f"within {band:.0%}")
     axes[1].axhline(1, color="k", lw=0.8)
     labels = [f"{r.id.replace('-mistral7b', '').replace('-llama3-8b', '')}\n({r.split})" for r in speed]
-    axes[1].set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
+    axes[1].set_xticks(x, labels, fontsize=SMALL, rotation=30, ha="right")
     axes[1].set_ylabel("predicted speed / measured")
-    axes[1].set_title("Every throughput-like point", fontsize=10)
-    axes[1].legend(fontsize=7, loc="upper left")
+    axes[1].set_title("Every throughput-like point", fontsize=TITLE)
+    axes[1].legend(fontsize=SMALL, loc="upper left")
     axes[1].grid(alpha=0.3, axis="y")
     axes[0].figure.tight_layout()
     return axes

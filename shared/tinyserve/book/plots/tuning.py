@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish
+from tinyserve.book.plots.common import ensure_axes, finish, SMALL
 
 
 def plot_before_after(scenarios, before, after, ylabel, ax=None, slo=None, log=False,
@@ -21,13 +21,13 @@ def plot_before_after(scenarios, before, after, ylabel, ax=None, slo=None, log=F
     x = np.arange(len(scenarios))
     for offset, values, color, label in ((-0.2, before, "tab:red", labels[0]), (0.2, after, "tab:green", labels[1])):
         bars = ax.bar(x + offset, values, 0.4, color=color, alpha=0.8, label=label)
-        ax.bar_label(bars, [_short(v) for v in values], fontsize=7, padding=1)
+        ax.bar_label(bars, [_short(v) for v in values], fontsize=SMALL, padding=1)
     if slo is not None:
         ax.axhline(slo, ls="--", color="black", lw=1, label="SLO")
     if log:
         ax.set_yscale("log")
     ax.margins(y=0.15)
-    ax.set_xticks(x, scenarios, fontsize=8)
+    ax.set_xticks(x, scenarios, fontsize=SMALL)
     return finish(ax, title, ylabel=ylabel, grid="y")
 
 
@@ -53,5 +53,5 @@ def plot_capacity(labels, predicted, measured, arrival_rate, ax=None,
     ax.bar(x - 0.2, predicted, 0.4, color="tab:blue", alpha=0.5, label="predicted")
     ax.bar(x + 0.2, measured, 0.4, color="tab:blue", label="measured")
     ax.axhline(arrival_rate, color="tab:red", ls="--", lw=1.2, label=f"arrival rate {arrival_rate:g}/s")
-    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xticks(x, labels, fontsize=SMALL)
     return finish(ax, title, ylabel="requests per second", grid="y")
