@@ -1,6 +1,7 @@
 """What a reader clicks and sees: every relative link in every notebook (and in the
-README and the instructor guide) points at a file that exists, and no code cell
-shows nbval's plumbing (its options are cell tags, not ``# NBVAL_*`` comments).
+README, the package reference shared/README.md and the instructor guide) points at a
+file that exists, and no code cell shows nbval's plumbing (its options are cell tags,
+not ``# NBVAL_*`` comments).
 
 `make lab` serves the repository root, so a link resolves exactly as it does on disk.
 """
@@ -16,7 +17,8 @@ from tinyserve.book.notebooks import NBVAL_TAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted([*ROOT.glob("chapters/**/*.ipynb"), *ROOT.glob("labs/*.ipynb"), *ROOT.glob("solutions/*.ipynb")])
-DOCUMENTS = [p for p in (ROOT / "README.md", ROOT / "solutions" / "INSTRUCTOR.md") if p.exists()]
+DOCUMENTS = [p for p in (ROOT / "README.md", ROOT / "shared" / "README.md", ROOT / "solutions" / "INSTRUCTOR.md")
+             if p.exists()]
 
 # [text](target "title"), ![alt](target), and HTML href= / src= attributes.
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|(?:href|src)=[\"']([^\"']+)[\"']")
@@ -49,7 +51,7 @@ def test_every_relative_link_in_a_notebook_resolves(path):
     assert not broken_links(path, [c.source for c in nb.cells if c.cell_type == "markdown"])
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in DOCUMENTS])
+@pytest.mark.parametrize("path", [pytest.param(p, id=str(p.relative_to(ROOT))) for p in DOCUMENTS])
 def test_every_relative_link_in_a_document_resolves(path):
     assert not broken_links(path, [path.read_text(encoding="utf-8")])
 
