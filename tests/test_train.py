@@ -8,7 +8,7 @@ import torch
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.model import MODEL_PRESETS, LlamaForServing
-from tinyserve.tokenizer import load_default_tokenizer
+from tinyserve.tokenizer import TOKENIZER_FILE, ByteBPETokenizer, load_default_tokenizer
 from tinyserve.book.train import (TRAIN_PRESETS, TRAINED_MODELS, causal_forward, corpus_texts,
                              init_model, lm_loss, lr_at, save, tokenize, train)
 
@@ -66,6 +66,8 @@ def test_train_and_save_round_trip(tmp_path):
                            batch_size=2, log=lambda *_: None)
     assert summary["steps"] == 3
     out = save(model, tmp_path / "m", summary)
+    # Outside the package a checkpoint carries its own tokenizer file.
+    assert ByteBPETokenizer.load(out / TOKENIZER_FILE).merges == load_default_tokenizer().merges
     loaded = LlamaForServing.from_pretrained(out)
     assert loaded.lm_head.weight.dtype == torch.float32       # fp16 on disk, fp32 in memory
     ids = data[:20][None]
@@ -104,5 +106,8 @@ def test_tiny_zh_loads_by_name_and_generates_text():
     if not (TRAINED_MODELS["tiny-zh"] / "model.safetensors").exists():
         pytest.skip("tiny-zh weights are not shipped in this checkout")
     llm = LLM("tiny-zh")
+    # The shipped weights read the package's one copy of the vocabulary (data/tokenizer.json).
+    assert not (TRAINED_MODELS["tiny-zh"] / TOKENIZER_FILE).exists()
+    assert llm.tokenizer is load_default_tokenizer()
     out = llm.generate("推理引擎", SamplingParams(max_tokens=20))[0]
     assert out.text and out.text == llm.tokenizer.decode(out.token_ids)

@@ -25,9 +25,9 @@ from tinyserve.metrics import RequestMetrics, request_metrics
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, default_device, get_preset
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import SchedulerConfig
-from tinyserve.tokenizer import ByteBPETokenizer, StreamDetokenizer, load_default_tokenizer
+from tinyserve.tokenizer import (TOKENIZER_FILE, ByteBPETokenizer, StreamDetokenizer,  # noqa: F401
+                                 load_default_tokenizer)
 
-TOKENIZER_FILE = "tinyserve_tokenizer.json"
 Prompt = str | Sequence[int]
 
 

@@ -25,7 +25,6 @@ because ``decode(ids)`` is not always the concatenation of per-token strings:
 from __future__ import annotations
 
 import json
-import operator
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Iterable, Mapping
 from tokenizers import AddedToken, Tokenizer, processors
 
 from tinyserve.chat_template import read_chat_template, render_chat_template
-from tinyserve.tokenizer import StreamDetokenizer
+from tinyserve.tokenizer import StreamDetokenizer, check_token_id
 
 # The attributes transformers passes to chat templates (its `special_tokens_map`).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token",
@@ -336,18 +335,9 @@ class HFTokenizer:
     def pad_token_id(self) -> int | None:
         return self._special_id("pad_token")
 
-    def _check_id(self, token_id) -> int:
-        try:
-            i = operator.index(token_id)
-        except TypeError:
-            raise TypeError(f"token id must be an int, got {type(token_id).__name__}") from None
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i} is out of range [0, {self.vocab_size})")
-        return i
-
     def is_special(self, token_id: int) -> bool:
         """Whether decode(skip_special_tokens=True) drops it (tokenizers checks the token string)."""
-        return self._tok.id_to_token(self._check_id(token_id)) in self._special_contents
+        return self._tok.id_to_token(check_token_id(token_id, self.vocab_size)) in self._special_contents
 
     def clear_cache(self) -> None:
         """Forget cached work (to time encoding on text as if never seen)."""
@@ -369,7 +359,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        ids = [self._check_id(i) for i in ids]
+        ids = [check_token_id(i, self.vocab_size) for i in ids]
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
@@ -392,7 +382,7 @@ class HFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token adds to the text (b"" for special tokens), as if not first."""
-        i = self._check_id(token_id)
+        i = check_token_id(token_id, self.vocab_size)
         cached = self._bytes_cache.get(i)
         if cached is None:
             cached = self._bytes_cache[i] = self._token_bytes(i)

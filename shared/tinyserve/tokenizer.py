@@ -51,6 +51,20 @@ CACHE_ENTRIES = 1 << 14
 
 _FORMAT = "tinyserve-byte-bpe"
 _FORMAT_VERSION = 1
+# The name of this tokenizer's file inside a checkpoint directory (``LLM.save_pretrained``).
+TOKENIZER_FILE = "tinyserve_tokenizer.json"
+
+
+def check_token_id(token_id, vocab_size: int) -> int:
+    """``token_id`` as an int, or a TypeError (not an integer) / ValueError (outside
+    ``[0, vocab_size)``) naming it: what every tokenizer's decode checks first."""
+    try:
+        i = operator.index(token_id)
+    except TypeError:
+        raise TypeError(f"token id must be an int, got {type(token_id).__name__}") from None
+    if not 0 <= i < vocab_size:
+        raise ValueError(f"token id {i} is out of range [0, {vocab_size})")
+    return i
 
 
 def _merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
@@ -191,7 +205,7 @@ class ByteBPETokenizer:
         return self.special_tokens.get("<|pad|>")
 
     def is_special(self, token_id: int) -> bool:
-        return self._check_id(token_id) in self._special_names
+        return check_token_id(token_id, self.vocab_size) in self._special_names
 
     # ------------------------------------------------------------------ encode
     def _bpe_chunk(self, chunk: str) -> tuple[int, ...]:
@@ -226,18 +240,9 @@ class ByteBPETokenizer:
         return ids
 
     # ------------------------------------------------------------------ decode
-    def _check_id(self, token_id) -> int:
-        try:
-            i = operator.index(token_id)
-        except TypeError:
-            raise TypeError(f"token id must be an int, got {type(token_id).__name__}") from None
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i} is out of range [0, {self.vocab_size})")
-        return i
-
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (b"" for special tokens)."""
-        return self._vocab[self._check_id(token_id)]
+        return self._vocab[check_token_id(token_id, self.vocab_size)]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return b"".join(self.token_bytes(i) for i in ids)
@@ -248,7 +253,7 @@ class ByteBPETokenizer:
             return self.decode_bytes(ids).decode("utf-8", errors="replace")
         parts, run = [], []
         for i in ids:
-            i = self._check_id(i)
+            i = check_token_id(i, self.vocab_size)
             if i in self._special_names:
                 parts.append(b"".join(run).decode("utf-8", errors="replace"))
                 parts.append(self._special_names[i])

@@ -32,10 +32,9 @@ import torch.nn.functional as F
 
 from tinyserve.model import (MODEL_PRESETS, TRAINED_MODELS, LlamaForServing, ModelConfig,
                              apply_rotary, rotary_cos_sin)
-from tinyserve.tokenizer import load_default_tokenizer
+from tinyserve.tokenizer import TOKENIZER_FILE, load_default_tokenizer
 
 DATA_DIR = Path(__file__).parents[1] / "data"
-TOKENIZER_FILE = "tinyserve_tokenizer.json"     # same name as engine.TOKENIZER_FILE
 
 
 TRAIN_PRESETS = {
@@ -193,7 +192,12 @@ def save(model: LlamaForServing, out: Path, summary: dict, dtype=torch.float16) 
     tokenizer = load_default_tokenizer()
     model.to(dtype).save_pretrained(out, tokenizer)
     model.float()
-    tokenizer.save(out / TOKENIZER_FILE)
+    # A checkpoint elsewhere carries its tokenizer. The shipped ones (data/tiny-zh) read
+    # the package's own vocabulary instead, data/tokenizer.json (load_tokenizer's
+    # fallback for a directory without one): a second copy in the package would be
+    # byte-identical, and could drift from the first.
+    if out.resolve() not in {p.resolve() for p in TRAINED_MODELS.values()}:
+        tokenizer.save(out / TOKENIZER_FILE)
     (out / "training.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n",
                                        encoding="utf-8")
     return out

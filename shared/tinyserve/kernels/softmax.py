@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from tinyserve.kernels.triton_setup import (HAS_TRITON, check_device, next_power_of_2,
-                                             num_warps_for, require_triton, rows_per_program,
-                                             tl, triton)
+from tinyserve.kernels.triton_setup import HAS_TRITON, check_device, require_triton, tl, triton
+# ``launch_config``: what the fused kernel launches with (``tinyserve.kernels.aot`` reads it here).
+from tinyserve.kernels.triton_setup import row_launch_config as launch_config
 from tinyserve.kernels.accounting import Step, check_variant, elem_size, split_rows
 
 # A row must fit in one program's registers (the fused kernel does not loop).
@@ -60,14 +60,6 @@ if HAS_TRITON:
         num = tl.exp(x)
         out = num / tl.sum(num, axis=1)[:, None]
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def launch_config(n_rows: int, n_cols: int, interpret: bool | None = None) -> dict:
-    """Constexprs and ``num_warps`` :func:`softmax_triton` launches with
-    (``interpret=False``: what it picks on a CUDA device; checked by ``tinyserve.kernels.aot``)."""
-    block_n = next_power_of_2(n_cols)
-    block_m = rows_per_program(n_rows, block_n, interpret)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n))
 
 
 def softmax_triton(x: torch.Tensor) -> torch.Tensor:

@@ -119,3 +119,12 @@ def rows_per_program(n_rows: int, block_n: int, interpret: bool | None = None) -
 
 def num_warps_for(block_elems: int) -> int:
     return 4 if block_elems <= 2048 else 8 if block_elems <= 8192 else 16
+
+
+def row_launch_config(n_rows: int, n_cols: int, interpret: bool | None = None) -> dict:
+    """Constexprs and ``num_warps`` a row-wise kernel (``BLOCK_M`` rows of ``BLOCK_N``
+    columns per program: add_rmsnorm, softmax) launches with. ``interpret=False``: what
+    it picks on a CUDA device, as ``tinyserve.kernels.aot`` checks."""
+    block_n = next_power_of_2(n_cols)
+    block_m = rows_per_program(n_rows, block_n, interpret)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n))
