@@ -15,7 +15,7 @@ import torch
 
 from test_engine import hf_greedy
 from tinyserve import LLM, SamplingParams, packed_gemm
-from tinyserve.checkpoint import ARCHITECTURES, config_from_hf, weight_files
+from tinyserve.checkpoint import ARCHITECTURES, config_from_hf, save_pretrained, weight_files
 from tinyserve.model import Llama3RopeScaling, llama3_inv_freq, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
@@ -178,7 +178,7 @@ def test_float16_runs_on_cpu(tmp_path):
 
 def test_a_loaded_checkpoint_saves_back_in_its_own_format(tmp_path):
     original = save_hf_model("qwen3", tmp_path / "hf", seed=3)
-    LLM(str(tmp_path / "hf")).model.save_pretrained(tmp_path / "ours")
+    save_pretrained(LLM(str(tmp_path / "hf")).model, tmp_path / "ours")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     prompt = id_prompts(seed=7)[3]

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from tinyserve import hardware as hwm
 from tinyserve.hardware import (
@@ -15,7 +16,7 @@ from tinyserve.hardware import (
 )
 from tinyserve import measure
 from tinyserve.measure import find_knee, fit_knee, measure_device
-from tinyserve.model import get_preset
+from tinyserve.model import KVCache, LlamaForServing, ModelConfig, get_preset
 
 
 def test_chapter_figures_a100_llama7b_fp16():
@@ -58,11 +59,27 @@ def test_decode_step_flat_then_linear():
     assert hwm.arithmetic_intensity(LLAMA_7B, 32, "fp16", context_len=4096) < 32
 
 
-def test_from_config():
-    cfg = get_preset("cpu-bench")
-    spec = ModelSpec.from_config(cfg, name="cpu-bench")
-    assert spec.num_parameters == cfg.num_parameters()
-    assert kv_bytes_per_token(spec, "fp32") == cfg.kv_bytes_per_token()
+@pytest.mark.parametrize("tied", [False, True])
+def test_from_config_counts_what_the_built_model_holds(tied):
+    # Every size differs from the others (GQA, head_dim != hidden / heads, biases), so a
+    # field read from the wrong place changes a count; the counts are checked against the
+    # tensors a real model and its KV cache allocate, not against the config's own formulas.
+    cfg = ModelConfig(vocab_size=301, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, explicit_head_dim=12,
+                      qkv_bias=True, qk_norm=True, tie_word_embeddings=tied)
+    spec = ModelSpec.from_config(cfg, name="odd")
+    model = LlamaForServing(cfg)
+    params = list(model.parameters())                       # a tied matrix is listed once
+    assert spec.num_parameters == sum(p.numel() for p in params)
+    assert weight_bytes(spec, "fp32") == sum(p.numel() * p.element_size() for p in params)
+    assert spec.embedding_parameters == (0 if tied else model.model.embed_tokens.weight.numel())
+    cache = KVCache(cfg, num_blocks=5, block_size=4, dtype=torch.float16, device="cpu")
+    assert kv_bytes_per_token(spec, "fp16") * 5 * 4 == cache.nbytes
+    # The cpu-bench preset the notebooks measure: its spec is the model's real size.
+    bench = get_preset("cpu-bench")
+    with torch.device("meta"):                              # shapes only, no 400 MB of weights
+        bench_params = sum(p.numel() for p in LlamaForServing(bench).parameters())
+    assert ModelSpec.from_config(bench).num_parameters == bench_params
 
 
 def test_value_errors():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tinyserve import LLM, SamplingParams
+from tinyserve.checkpoint import load_pretrained, save_pretrained
 from tinyserve.model import MODEL_PRESETS, LlamaForServing
 from tinyserve.tokenizer import TOKENIZER_FILE, ByteBPETokenizer, load_default_tokenizer
 from tinyserve.book.train import (TRAIN_PRESETS, TRAINED_MODELS, causal_forward, corpus_texts,
@@ -39,7 +40,7 @@ def test_training_forward_matches_serving_logits(tmp_path, preset):
     """Teacher-forced logits of the training forward equal the logits the engine
     computes while decoding, and greedy decoding picks the same tokens."""
     model = LlamaForServing.from_seed(MODEL_PRESETS[preset], seed=1)
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     llm = LLM(str(tmp_path), seed=0)
     prompt = llm.tokenizer.encode("推理引擎把请求排进队列，再按批调度。")
     out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
@@ -68,7 +69,7 @@ def test_train_and_save_round_trip(tmp_path):
     out = save(model, tmp_path / "m", summary)
     # Outside the package a checkpoint carries its own tokenizer file.
     assert ByteBPETokenizer.load(out / TOKENIZER_FILE).merges == load_default_tokenizer().merges
-    loaded = LlamaForServing.from_pretrained(out)
+    loaded = load_pretrained(out)
     assert loaded.lm_head.weight.dtype == torch.float32       # fp16 on disk, fp32 in memory
     ids = data[:20][None]
     with torch.no_grad():
@@ -92,7 +93,7 @@ def test_shipped_tiny_zh_is_trained():
     assert size <= 20 * 2**20
     info = json.loads((path / "training.json").read_text())
     assert info["final_loss"] < 5
-    model = LlamaForServing.from_pretrained(path)
+    model = load_pretrained(path)
     assert model.config.vocab_size == load_default_tokenizer().vocab_size == 2048
     zh = corpus_texts(include_notebooks=False)["corpus/zh.txt"]
     ids = torch.tensor([load_default_tokenizer().encode(zh[:400])])

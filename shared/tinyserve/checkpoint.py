@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: ``config.json`` <-> ``ModelConfig``, and
-safetensors files streamed into an already-allocated ``LlamaForServing``.
+safetensors files streamed into an already-allocated ``LlamaForServing``
+(``load_pretrained``), or written from one (``save_pretrained``).
 
 A directory as downloaded from the Hub holds ``config.json`` and either one
 ``model.safetensors`` or shards ``model-0000k-of-0000n.safetensors`` listed in
@@ -160,6 +161,42 @@ def hf_config(c: ModelConfig, bos, eos, dtype: torch.dtype) -> dict:
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings}
     return config
+
+
+# ---- a whole model in and out ----------------------------------------------------------
+
+def save_pretrained(model: LlamaForServing, path: str | Path, tokenizer=None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in Hugging Face format (Llama for
+    our presets); the special ids come from ``tokenizer`` when given, else the config."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    bos, eos = ((tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None
+                else (c.bos_token_id, c.eos_token_id))
+    config = hf_config(c, bos, eos, model.lm_head.weight.dtype)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if c.tie_word_embeddings:
+        del tensors["lm_head.weight"]         # the same tensor as the embedding
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    return path
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> LlamaForServing:
+    """A checkpoint directory (Llama, Mistral, Qwen2, Qwen3) as a model in eval mode.
+
+    The module is built on the meta device (shapes only: no memory), allocated
+    once in ``dtype`` on ``device``, then filled tensor by tensor from the
+    safetensors files: never a random-init copy next to the checkpoint's."""
+    config = read_config(path)
+    with torch.device("meta"):
+        model = LlamaForServing(config)
+    allocate_parameters(model, dtype, device)
+    load_weights(model, path)
+    return model.eval()
 
 
 # ---- safetensors -> parameters -----------------------------------------------------------

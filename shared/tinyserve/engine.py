@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from tinyserve import measure, packed_gemm
-from tinyserve.checkpoint import saved_dtype
+from tinyserve.checkpoint import load_pretrained, save_pretrained, saved_dtype
 from tinyserve.compiled_step import CAPTURE_SIZES, capture_sizes_for
 from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
 from tinyserve.executor import ModelExecutor
@@ -291,7 +291,7 @@ class LLM:
         return [results[i] for i in ids]
 
     def save_pretrained(self, path: str | Path) -> Path:
-        path = self.model.save_pretrained(path, self.tokenizer)
+        path = save_pretrained(self.model, path, self.tokenizer)
         self.tokenizer.save(Path(path) / TOKENIZER_FILE)
         return path
 
@@ -331,7 +331,7 @@ def load_model(model: str, seed: int, dtype: str = "float32",
         if name not in DTYPES:
             raise ValueError(f"dtype: {name!r} ({path / 'config.json'} for auto) is not one "
                              f"of {sorted(DTYPES)}")
-        net = LlamaForServing.from_pretrained(path, dtype=DTYPES[name], device=device)
+        net = load_pretrained(path, dtype=DTYPES[name], device=device)
         return net, load_tokenizer(path)
     net = LlamaForServing.from_seed(get_preset(str(model)), seed)
     torch_dtype = torch.float32 if dtype == AUTO_DTYPE else DTYPES[dtype]

@@ -2,9 +2,10 @@
 
 The layers are the ones of Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary
 position embeddings, SwiGLU MLP, grouped-query attention) and the parameters
-carry the same names, so a model saved here loads in ``transformers`` and a
-checkpoint downloaded from the Hub loads here (``checkpoint.py`` reads it), and
-the two give the same greedy tokens.
+carry the same names, so a model saved by ``checkpoint.py`` loads in
+``transformers`` and a checkpoint downloaded from the Hub loads here, and the two
+give the same greedy tokens. The file format sits on top of the model:
+``checkpoint`` imports this module, never the other way round.
 
 What differs from a training-style model is the attention: one forward runs a
 *packed* batch, the new tokens of every scheduled request laid end to end
@@ -29,7 +30,6 @@ The same module runs the Llama-like families, switched by a few config flags:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -419,7 +419,7 @@ class DecoderLayer(nn.Module):
 
 def embedding(num: int, dim: int) -> nn.Embedding:
     """``nn.Embedding(num, dim)``, but with no random init when built on the meta device
-    (from_pretrained): there ``normal_`` alone imports torch._dynamo (~1 s, ~150 MB)."""
+    (``checkpoint.load_pretrained``): there ``normal_`` alone imports torch._dynamo (~1 s, ~150 MB)."""
     weight = torch.empty(num, dim)
     if not weight.is_meta:
         nn.init.normal_(weight)               # nn.Embedding's own init
@@ -496,43 +496,4 @@ class LlamaForServing(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.model.norm(x, residual, self.ops)
         return (self.lm_head(x) if packed is None else packed.lm_head(x)).float()
-
-    # ---- Hugging Face format (checkpoint.py) -------------------------------------------
-
-    def save_pretrained(self, path: str | Path, tokenizer=None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` in Hugging Face format (Llama for
-        our presets); the special ids come from ``tokenizer`` when given, else the config."""
-        from safetensors.torch import save_file
-
-        from tinyserve.checkpoint import hf_config
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        c = self.config
-        bos, eos = ((tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None
-                    else (c.bos_token_id, c.eos_token_id))
-        config = hf_config(c, bos, eos, self.lm_head.weight.dtype)
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if c.tie_word_embeddings:
-            del tensors["lm_head.weight"]         # the same tensor as the embedding
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        return path
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "LlamaForServing":
-        """A checkpoint directory (Llama, Mistral, Qwen2, Qwen3; ``checkpoint.py``).
-
-        The module is built on the meta device (shapes only: no memory), allocated
-        once in ``dtype`` on ``device``, then filled tensor by tensor from the
-        safetensors files: never a random-init copy next to the checkpoint's."""
-        from tinyserve.checkpoint import allocate_parameters, load_weights, read_config
-
-        config = read_config(path)
-        with torch.device("meta"):
-            model = cls(config)
-        allocate_parameters(model, dtype, device)
-        load_weights(model, path)
-        return model.eval()
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tinyserve.checkpoint import save_pretrained
 from tinyserve.model import (MODEL_PRESETS, TRAINED_MODELS, LlamaForServing, ModelConfig,
                              apply_rotary, rotary_cos_sin)
 from tinyserve.tokenizer import TOKENIZER_FILE, load_default_tokenizer
@@ -187,10 +188,10 @@ def train(config: ModelConfig, data: torch.Tensor, seconds: float, seed: int = 0
 
 
 def save(model: LlamaForServing, out: Path, summary: dict, dtype=torch.float16) -> Path:
-    """Weights in fp16 (half the bytes; from_pretrained casts back into fp32 modules)."""
+    """Weights in fp16 (half the bytes; loading casts them back into fp32 modules)."""
     out = Path(out)
     tokenizer = load_default_tokenizer()
-    model.to(dtype).save_pretrained(out, tokenizer)
+    save_pretrained(model.to(dtype), out, tokenizer)
     model.float()
     # A checkpoint elsewhere carries its tokenizer. The shipped ones (data/tiny-zh) read
     # the package's own vocabulary instead, data/tokenizer.json (load_tokenizer's
