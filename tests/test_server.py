@@ -9,6 +9,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tinyserve import LLM, SamplingParams
+from tinyserve.bench.soak import hang_up_mid_stream
 from tinyserve.serving.client import iter_sse
 from tinyserve.serving.app import build_app
 from tinyserve.serving.processes import ServerProcess, parse_prometheus
@@ -123,15 +124,8 @@ def test_mid_stream_disconnect_aborts_and_frees_blocks(server):
     async def main():
         async with aiohttp.ClientSession() as s:
             before = await _json(s, server.url + "/debug/engine")
-            body = {"prompt": [10, 11, 12, 13, 14], "max_tokens": 500, "ignore_eos": True,
-                    "stream": True}
-            async with s.post(server.url + "/v1/completions", json=body) as r:
-                seen = 0
-                async for data in iter_sse(r):
-                    seen += 1
-                    if seen == 3:
-                        break
-                r.close()                   # drop the connection mid-stream
+            await hang_up_mid_stream(s, server.url, {"prompt": [10, 11, 12, 13, 14],
+                                                     "max_tokens": 500, "ignore_eos": True})
             after = await _wait_idle(s, server.url)
             return before, after
 
@@ -263,7 +257,10 @@ BAD_BODIES = [
     (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), "stream"),
     (json.dumps({"prompt": "hi", "n": 99}).encode(), "n"),
     (json.dumps({"prompt": "hi", "stop_token_ids": ["x"]}).encode(), "stop_token_ids"),
-    (b'{"prompt": "hi", "temperature": NaN}', None),                     # not JSON
+    # Not JSON (no NaN or Infinity; deeper than the decoder goes): still named.
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "max_tokens": Infinity}', "max_tokens"),
+    (b'{"max_tokens": 4, "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "prompt"),
     (json.dumps({"prompt": "hi", "max_tokens": 10**30}).encode(), "max_tokens"),   # > context
     (json.dumps({"prompt": [5] * 10, "max_tokens": 503}).encode(), "max_tokens"),  # 513 > 512
     (json.dumps({"prompt": "hi", "seed": "7"}).encode(), "seed"),

@@ -17,50 +17,22 @@ import aiohttp
 import openai
 import psutil
 import pytest
-from aiohttp.test_utils import TestServer
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import tinyserve.executor
 from tinyserve import LLM, SamplingParams
-from tinyserve.bench.soak import check_soak, soak_async, wait_idle
+from tinyserve.bench.soak import check_soak, hang_up_mid_stream, soak_async, wait_idle
+from tinyserve.executor import sample_token
 from tinyserve.serving.app import ENGINE_KEY, ServerConfig, build_app
-from tinyserve.serving.client import iter_sse
 from tinyserve.serving.processes import ServerProcess
 from tinyserve.serving.protocol import StopStrings, render_chat
 from tinyserve.tokenizer import CACHE_ENTRIES, load_default_tokenizer
 
+from server_harness import Background
+
 SERVE_ARGS = ["serve", "--model", "tiny", "--seed", "0", "--threads", "1", "--max-num-seqs", "32"]
 FAIL_SEED = 666                  # the fault-injection test's marker
-
-
-class Background:
-    """An in-process server on its own event loop thread, so that blocking clients (the
-    ``openai`` SDK) and ``asyncio.run`` clients can both talk to it."""
-
-    def __init__(self, app, **runner_kwargs):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = TestServer(app, host="127.0.0.1")
-        runner_kwargs.pop("handler_cancellation", None)       # TestServer sets it
-        self._run(self.server.start_server(**runner_kwargs))
-        self.host, self.port = "127.0.0.1", self.server.port
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app
-
-    def _run(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self._run(self.server.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-    def sdk(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                             timeout=60)
-
 
 CONFIG = ServerConfig(header_timeout=1.0, body_timeout=1.0)
 
@@ -132,6 +104,35 @@ def test_tiny_temperature_is_greedy_and_huge_seeds_are_reduced(srv, ref):
                                         seed=seed, extra_body={"ignore_eos": True,
                                                                "return_token_ids": True})
         assert out.choices[0].model_extra["token_ids"] == seeded.token_ids
+
+
+def test_top_p_keeps_the_smallest_nucleus_and_never_less_than_the_top_token():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([0.1, 0.4, 0.2, 0.3]).log()
+    # 0.5: the smallest set of most likely tokens reaching it is {0.4, 0.3}: both drawn.
+    nucleus = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5), gen)
+               for _ in range(200)}
+    assert nucleus == {1, 3}
+    # However small top_p is (1e-300 is 0 in float32), the most likely token is kept.
+    wide = torch.randn(2048, generator=gen) * 3
+    for top_p in (1e-300, 1e-45, 1e-6):
+        for temperature in (1.0, 2.0):
+            params = SamplingParams(temperature=temperature, top_p=top_p)
+            assert {sample_token(logits, params, gen) for _ in range(20)} == {1}
+            assert sample_token(wide, params, gen) == int(wide.argmax())
+
+
+def test_tiny_top_p_is_served_greedy(srv, ref):
+    client = srv.sdk()
+    prompt = [11, 12, 13, 14]
+    greedy = ref.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0,
+                                    top_p=1e-300, extra_body={"ignore_eos": True,
+                                                              "return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == greedy.token_ids
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, top_p=1e-300,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == greedy.text
 
 
 def test_one_failing_request_fails_alone(srv, ref, monkeypatch):
@@ -421,6 +422,41 @@ def test_max_tokens_beyond_the_context_is_rejected_and_the_default_is_cut(srv):
     assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
 
 
+def test_chat_errors_name_max_completion_tokens_when_that_was_sent(srv):
+    client = srv.sdk()
+    messages = [{"role": "user", "content": "hi"}]
+    for value, says in ((0, "max_completion_tokens must be an integer >= 1"),
+                        (600, "maximum context length is 512")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=messages,
+                                           max_completion_tokens=value)
+        assert info.value.body["param"] == "max_completion_tokens"
+        assert says in info.value.message and "(max_tokens)" not in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:         # the older name: as sent
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_bodies_that_are_not_json_name_the_field_at_fault(srv):
+    """NaN and Infinity parse in Python but are not JSON; 5,000 nested lists overflow the
+    decoder's recursion. Each is a 400 naming the top-level field (the SDK cannot send
+    these, hence raw bodies)."""
+    deep = b"[" * 5000 + b"]" * 5000
+    cases = [("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+             ("/v1/completions", b'{"prompt": "hi", "max_tokens": -Infinity}', "max_tokens"),
+             ("/v1/completions", b'{"prompt": ' + deep + b', "max_tokens": 2}', "prompt"),
+             ("/v1/chat/completions", b'{"model": "tiny", "messages": ' + deep + b"}",
+              "messages"),
+             ("/v1/completions", b"{oops", None),                # no field to blame
+             ("/v1/completions", deep, None)]
+    for path, raw, param in cases:
+        status, _, body = _post(srv.url + path, raw)
+        error = json.loads(body)["error"]
+        assert (status, error["code"], error["param"]) == (400, 400, param), (raw[:60], error)
+        assert error["type"] == "invalid_request_error"
+        assert param is None or f"(in {param})" in error["message"]
+
+
 def test_header_and_body_read_timeouts():
     async def main(port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -460,15 +496,8 @@ def test_header_and_body_read_timeouts():
 def test_a_client_disconnect_logs_one_line(srv, caplog):
     async def main():
         async with aiohttp.ClientSession() as s:
-            async with s.post(srv.url + "/v1/completions",
-                              json={"prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True,
-                                    "stream": True}) as r:
-                seen = 0
-                async for _ in iter_sse(r):
-                    seen += 1
-                    if seen == 3:
-                        break
-                r.close()
+            await hang_up_mid_stream(s, srv.url, {"prompt": [1, 2, 3], "max_tokens": 300,
+                                                  "ignore_eos": True})
             return await wait_idle(s, srv.url)
 
     with caplog.at_level(logging.INFO):

@@ -187,8 +187,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        # Keep the smallest prefix whose mass reaches top_p. The most likely token is
+        # always kept: a top_p below float32's range (1e-300) rounds to 0, and the
+        # comparison alone would then drop every token.
         drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if not bool(torch.isfinite(probs).all()):

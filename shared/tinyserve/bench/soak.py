@@ -73,17 +73,22 @@ async def _status(session, url: str, raw: bytes, want: int) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-async def _disconnect(session, url: str) -> str | None:
-    """Stream, read three events, hang up (the server must abort and free the blocks)."""
+async def hang_up_mid_stream(session, url: str, body: dict, events: int = 3) -> None:
+    """POST ``body`` as a streaming completion, read ``events`` events, then drop the
+    connection (the server must abort the request and free its blocks)."""
     from tinyserve.serving.client import iter_sse
-    body = {"prompt": [7, 8, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    async with session.post(url + "/v1/completions", json=body) as r:
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
         seen = 0
         async for _ in iter_sse(r):
             seen += 1
-            if seen == 3:
+            if seen == events:
                 break
         r.close()
+
+
+async def _disconnect(session, url: str) -> str | None:
+    await hang_up_mid_stream(session, url, {"prompt": [7, 8, 9], "max_tokens": 200,
+                                            "ignore_eos": True})
     return None
 
 

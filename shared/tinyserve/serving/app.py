@@ -184,7 +184,9 @@ def _tokenize(state: _State, parsed: ParsedRequest) -> list[int]:
     try:
         engine.check_fits(len(ids), parsed.params)
     except ValueError as exc:
-        raise BadRequest(str(exc), param_of(str(exc)) or field_) from None
+        param = param_of(str(exc)) or field_
+        raise BadRequest(str(exc), parsed.max_tokens_field if param == "max_tokens" else param
+                         ) from None
     return ids
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -156,18 +157,55 @@ def param_of(message: str) -> str | None:
 # ---- request validation ------------------------------------------------------------
 
 def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def decode_json(raw: bytes) -> Any:
     """A request body's JSON; ``BadRequest`` if it is not JSON (NaN and Infinity are
-    not), or nested too deeply to decode."""
+    not), or nested too deeply to decode. The 400 names the top-level field whose
+    value is at fault (``{"temperature": NaN}``: ``temperature``) when there is one."""
     try:
         return json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+        problem = "request body is nested too deeply"
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        problem = f"request body is not valid JSON: {exc}"
+    # Raised outside the except clauses, so that it does not carry the decode error along.
+    field_ = _field_at_fault(raw)
+    raise BadRequest(problem if field_ is None else f"{problem} (in {field_})", field_)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")      # JSON's four whitespace characters
+
+
+def _field_at_fault(raw: bytes) -> str | None:
+    """The key of the top-level member whose value does not decode, for a body that
+    is an object up to there; None otherwise. Run only once decoding has failed: the
+    members are decoded again one at a time, and the first that fails is the culprit."""
+    try:
+        text = raw.decode(json.detect_encoding(raw))
+    except UnicodeDecodeError:
+        return None
+    decoder = json.JSONDecoder(parse_constant=_reject_constant)
+    at = _WHITESPACE.match(text).end()
+    if not text.startswith("{", at):
+        return None
+    sep = "{"
+    while text.startswith(sep, at):
+        at = _WHITESPACE.match(text, at + 1).end()
+        try:
+            key, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        at = _WHITESPACE.match(text, at).end()
+        if not isinstance(key, str) or not text.startswith(":", at):
+            return None
+        try:
+            _, at = decoder.raw_decode(text, _WHITESPACE.match(text, at + 1).end())
+        except (ValueError, RecursionError):
+            return key
+        at, sep = _WHITESPACE.match(text, at).end(), ","
+    return None
 
 
 def _is_int(v: Any) -> bool:
@@ -251,6 +289,7 @@ class ParsedRequest:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     max_tokens_given: bool = True           # False: the default, cut to what fits
+    max_tokens_field: str = "max_tokens"    # as the client sent it (chat: max_completion_tokens)
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s params: choice i > 0 of a seeded request draws with seed + i."""
@@ -286,7 +325,7 @@ def parse_request(body: Any, chat: bool, model_name: str, max_prompt_chars: int 
             raise BadRequest(f"prompt is {len(prompt)} tokens; this model's maximum context "
                              f"length is {max_model_len} tokens, which leaves no room for "
                              "output", "prompt")
-    params, given = _parse_sampling(body, chat)
+    params, given, max_tokens_field = _parse_sampling(body, chat)
     stream = _get(body, "stream", _is_bool, "a boolean", False)
     n = _get(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]", 1)
     if not chat:
@@ -300,7 +339,8 @@ def parse_request(body: Any, chat: bool, model_name: str, max_prompt_chars: int 
                          "stream_options")
     return_ids = _get(body, "return_token_ids", _is_bool, "a boolean", False)
     return ParsedRequest(prompt, params, stream, include_usage and stream, return_ids, chat,
-                         messages=messages, n=n, stop=_parse_stop(body), max_tokens_given=given)
+                         messages=messages, n=n, stop=_parse_stop(body), max_tokens_given=given,
+                         max_tokens_field=max_tokens_field)
 
 
 def _check_chars(field_: str, chars: int, limit: int | None) -> None:
@@ -356,17 +396,19 @@ def _parse_logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if on else None
 
 
-def _parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool]:
-    """The sampling params, and whether ``max_tokens`` was given (not the default)."""
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None and chat:
-        max_tokens = body.get("max_completion_tokens")
+def _parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool, str]:
+    """The sampling params, whether ``max_tokens`` was given (not the default), and the
+    field it came in (chat also takes OpenAI's newer ``max_completion_tokens``)."""
+    name = "max_tokens"
+    max_tokens = body.get(name)
+    if max_tokens is None and chat and body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+        max_tokens = body[name]
     given = max_tokens is not None
     if not given:
         max_tokens = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS
     if not _is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be an integer >= 1, got {_short(max_tokens)}",
-                         "max_tokens")
+        raise BadRequest(f"{name} must be an integer >= 1, got {_short(max_tokens)}", name)
     temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2,
                        "a number in [0, 2]", 1.0)
     top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
@@ -381,7 +423,7 @@ def _parse_sampling(body: dict, chat: bool) -> tuple[SamplingParams, bool]:
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_p=float(top_p), top_k=top_k, seed=seed, ignore_eos=ignore_eos,
                             stop_token_ids=stop_ids, logprobs=_parse_logprobs(body, chat))
-    return params, given
+    return params, given, name
 
 
 def parse_messages(messages: Any) -> list[dict]:
@@ -418,7 +460,8 @@ def check_context(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: 
         if parsed.max_tokens_given:
             raise BadRequest(f"this model's maximum context length is {max_model_len} tokens; "
                              f"you asked for {num_prompt_tokens} in the {field_} and "
-                             f"{p.max_tokens} for the completion (max_tokens)", "max_tokens")
+                             f"{p.max_tokens} for the completion ({parsed.max_tokens_field})",
+                             parsed.max_tokens_field)
         parsed.params = SamplingParams(max_tokens=room, temperature=p.temperature, top_p=p.top_p,
                                        top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        stop_token_ids=p.stop_token_ids, logprobs=p.logprobs)

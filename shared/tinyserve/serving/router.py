@@ -12,7 +12,8 @@ be reached before it answers goes to another one; a replica that falls silent
 for ``read_timeout`` is given up on; a stream that a replica cuts mid-way ends
 with an OpenAI error event and ``[DONE]`` (the ``openai`` SDK raises), never as a
 truncated answer that looks complete. ``/health`` reports every replica (503
-once none is healthy) and ``/v1/models`` answers while any replica does.
+once none is healthy), completions get a 503 when no replica can be reached, and
+``/v1/models`` answers while any replica does.
 """
 
 from __future__ import annotations
@@ -240,8 +241,10 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     while True:
         replica = state.choose(key, tried)
         if replica is None:
+            # Every replica was tried and none could be reached: nothing is up, as
+            # /health (503) says by now, so 503 and not a gateway error.
             return error_response("no replica could be reached: " + "; ".join(failures), None,
-                                  502, "bad_gateway")
+                                  503, "service_unavailable")
         if tried:
             state.retries += 1
         tried.add(replica)
