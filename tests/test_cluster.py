@@ -6,7 +6,7 @@ import pytest
 
 from tinyserve.sim.cluster import simulate_cluster
 from tinyserve.hardware import LLAMA_7B, kv_bytes_per_token
-from tinyserve.sim.routing import RoutingPolicy
+from tinyserve.routing import RoutingPolicy
 from tinyserve.sim import simulate
 from tinyserve.workload import RequestSpec, make_workload
 

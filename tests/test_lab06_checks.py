@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 from tinyserve.labs import (FunctionPolicy, check_choose_replica,  # noqa: E402
                             check_is_imbalanced, check_routing_in_simulator)
-from tinyserve.sim.routing import PrefixTree  # noqa: E402
+from tinyserve.routing import PrefixTree  # noqa: E402
 
 
 def is_imbalanced(outstanding, abs_threshold, rel_threshold):

@@ -15,8 +15,8 @@ from tinyserve.bench.soak import hang_up_mid_stream
 from tinyserve.serving.client import iter_sse
 from tinyserve.serving.router import (RouterConfig, build_router_app, compare_policies_async,
                                       shared_prefix_runs)
-from tinyserve.sim.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
-                               RoundRobin, cache_aware_choice, make_routing_policy)
+from tinyserve.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
+                           RoundRobin, cache_aware_choice, make_routing_policy)
 from tinyserve.serving.processes import ServerProcess, free_port, launch_servers
 
 from server_harness import Background

@@ -2,7 +2,8 @@
 
 Small pure classes (no HTTP, no clock), so the HTTP router
 (``tinyserve.serving.router``) and the simulated cluster (``tinyserve.sim.cluster``) make
-the very same decisions:
+the very same decisions. They belong to neither: both layers import them from here,
+below them.
 
 * ``round_robin``: replica 0, 1, 2, ..., 0, ... whatever the load.
 * ``least_outstanding``: the replica with the fewest requests in flight

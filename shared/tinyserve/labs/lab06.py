@@ -6,7 +6,7 @@ The student writes two functions:
   load guard, ``max - min > abs_threshold and max > rel_threshold * min``;
 * ``choose_replica(key, outstanding, trees, balance_abs_threshold=8,
   balance_rel_threshold=1.5, min_match_ratio=0.1) -> int``: the routing
-  decision over one ``tinyserve.sim.routing.PrefixTree`` per replica. Unless the
+  decision over one ``tinyserve.routing.PrefixTree`` per replica. Unless the
   fleet is imbalanced, the replica whose tree shares the longest prefix with
   ``key`` wins (equal matches: the less loaded; then the smaller index),
   provided the match covers at least ``min_match_ratio`` of the key; otherwise
@@ -14,7 +14,7 @@ The student writes two functions:
   in the chosen replica's tree, and only there.
 
 The checks call the functions on hand-made and random cases against the
-package's own router rule (``tinyserve.sim.routing.cache_aware_choice``, with
+package's own router rule (``tinyserve.routing.cache_aware_choice``, with
 ties to the smaller index), then run ``choose_replica`` inside the cluster simulator
 (``tinyserve.sim.cluster.simulate_cluster``) against round-robin on a
 shared-prefix workload. Each failure raises ``AssertionError`` with a hint in
@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 
 from tinyserve.labs.hints import call, fail
-from tinyserve.sim.routing import PrefixTree, RoutingPolicy, cache_aware_choice, imbalanced
+from tinyserve.routing import PrefixTree, RoutingPolicy, cache_aware_choice, imbalanced
 
 __all__ = ["FunctionPolicy", "check_is_imbalanced", "check_choose_replica",
            "check_routing_in_simulator"]
@@ -53,7 +53,7 @@ def _show_args(args) -> str:
 
 def _router_choice(key, outstanding, trees, balance_abs_threshold=8,
                    balance_rel_threshold=1.5, min_match_ratio=0.1) -> int:
-    """The package router's rule (``tinyserve.sim.routing.cache_aware_choice``, ties to the
+    """The package router's rule (``tinyserve.routing.cache_aware_choice``, ties to the
     smaller index) on ``trees``, which it then updates as the router updates its own."""
     replica, _ = cache_aware_choice(key, outstanding, trees, balance_abs_threshold,
                                     balance_rel_threshold, min_match_ratio)

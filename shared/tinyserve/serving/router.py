@@ -31,7 +31,7 @@ from tinyserve.serving.processes import free_port, launch_servers, parse_prometh
 from tinyserve.serving.protocol import (SSE_DONE, BadRequest, decode_json, error_event,
                                         error_response, json_errors, parse_messages, read_body,
                                         render_chat)
-from tinyserve.sim.routing import RoutingPolicy, make_routing_policy
+from tinyserve.routing import RoutingPolicy, make_routing_policy
 
 
 def request_key(body: dict, chat: bool) -> Sequence:

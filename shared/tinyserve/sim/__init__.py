@@ -2,7 +2,7 @@
 (``simulator``), each step priced by a cost model (``executor``, ``cost_model``: the
 roofline, or one calibrated on published vLLM measurements, checked by ``fidelity``);
 many replicas behind a router (``cluster``) with the routing policies the HTTP
-router uses (``routing``).
+router uses (``tinyserve.routing``).
 
     from tinyserve.sim import simulate
 """

@@ -3,7 +3,7 @@
 The orchestration layer above the engine, in the simulator. Every replica is a
 ``SimEngine`` (the engine's own scheduler and block manager on a roofline
 clock); a router sends each arriving request to one of them with the same
-``tinyserve.sim.routing`` policies the HTTP router (``tinyserve.serving.router``) uses.
+``tinyserve.routing`` policies the HTTP router (``tinyserve.serving.router``) uses.
 
 Disaggregation splits the GPUs into a prefill pool and a decode pool. A request
 is prefilled on a prefill replica, which produces its first token; its KV cache
@@ -27,7 +27,7 @@ from tinyserve.hardware import LLAMA_7B, HardwareSpec, ModelSpec, kv_bytes_per_t
 from tinyserve.metrics import RequestMetrics, StepStats, request_metrics, summarize
 from tinyserve.request import Request
 from tinyserve.sim.executor import SIM_TOKEN
-from tinyserve.sim.routing import LeastOutstanding, RoutingPolicy, make_routing_policy
+from tinyserve.routing import LeastOutstanding, RoutingPolicy, make_routing_policy
 from tinyserve.sim.simulator import (SimEngine, SimOutput, load_stats, resolve_hardware_and_model,
                                      step_summary)
 from tinyserve.workload import RequestSpec, prompt_token_ids
@@ -88,7 +88,7 @@ def simulate_cluster(requests: Sequence[RequestSpec], num_replicas: int = 4,
                      kv_link_bandwidth: float = 25e9, **engine_kwargs) -> ClusterResult:
     """Serve ``requests`` on ``num_replicas`` simulated GPUs behind a router.
 
-    ``routing``: a name in ``tinyserve.sim.routing.ROUTING_POLICIES`` or a policy
+    ``routing``: a name in ``tinyserve.routing.ROUTING_POLICIES`` or a policy
     object (``choose(key, outstanding) -> replica``); the key is the prompt's
     token ids. ``disaggregated=(P, D)``: P prefill and D decode replicas
     (``num_replicas`` is then ignored); the router places prefills, and decodes
