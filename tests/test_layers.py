@@ -1,8 +1,10 @@
 """The package's layers, enforced: the engine core and the simulator never reach up
-into serving (HTTP) or book support (plots, widgets, labs, benchmarks).
+into serving (HTTP) or book support (plots, widgets, labs, benchmarks), and inside
+the core every module imports only modules below it, so no two import each other.
 
-Imports are read from the source with ``ast`` (function-level imports included),
-so a lazy import inside a function cannot hide a dependency.
+Imports are read from the source with ``ast`` (function-level and relative imports
+included), so a lazy import inside a function cannot hide a dependency, and a name
+that is not a module of the package fails instead of being skipped.
 """
 
 from __future__ import annotations
@@ -16,11 +18,24 @@ import tinyserve
 
 PACKAGE = Path(tinyserve.__file__).parent
 
+# The core in rows, lowest first: a core module may import only modules of lower rows.
+# Two stacks meet in engine: the step loop (request, kv_cache -> policies -> scheduler ->
+# core) and the model (kernels -> model -> compiled_step -> packed_gemm -> executor);
+# checkpoint (the file format) sits on the model, never under it.
+CORE_ROWS = [
+    ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose", "routing",
+     "tokenizer", "chat_template", "kernels"],                    # import nothing of ours
+    ["policies", "measure", "hf_tokenizer"],
+    ["scheduler", "model"],
+    ["core", "checkpoint", "compiled_step"],
+    ["packed_gemm"],
+    ["executor"],
+    ["engine"],
+]
+CORE = [name for row in CORE_ROWS for name in row]
+CORE_ROW = {name: i for i, row in enumerate(CORE_ROWS) for name in row}
 # Top-level names of the package by layer; a layer may import only from the layers
 # before it in LAYERS (and from itself).
-CORE = ["request", "kv_cache", "scheduler", "policies", "core", "executor", "compiled_step", "packed_gemm",
-        "model", "checkpoint", "engine", "tokenizer", "hf_tokenizer", "chat_template", "metrics", "diagnose", "hardware",
-        "measure", "workload", "kernels"]
 LAYERS = {"core": CORE, "sim": ["sim"], "serving": ["serving"], "bench": ["bench"],
           "book": ["book"], "labs": ["labs"], "entry": ["cli", "__main__", "__init__"]}
 MAY_IMPORT = {"core": {"core"}, "sim": {"core", "sim"}, "serving": {"core", "sim", "serving"},
@@ -36,35 +51,98 @@ def module_files(name: str) -> list[Path]:
     return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
 
 
+def module_path(module: str) -> Path | None:
+    """The file of ``tinyserve.a.b`` (``a/b.py`` or ``a/b/__init__.py``), None if there is none."""
+    base = PACKAGE.joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def package_of(path: Path) -> str:
+    """The package a file's relative imports start from."""
+    parts = path.relative_to(PACKAGE).parent.parts
+    return ".".join(("tinyserve", *parts))
+
+
+def reexports() -> dict[str, str]:
+    """Names ``tinyserve/__init__.py`` imports from a module: ``LLM`` -> ``tinyserve.engine``."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    return {alias.asname or alias.name: node.module for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports; ``from tinyserve import x`` counts as ``tinyserve.x``."""
+    """Every module a file imports, as absolute names. ``from tinyserve import LLM``
+    counts as the module that defines it (``tinyserve.engine``), ``from .x import y``
+    as ``<this package>.x``, ``from tinyserve.sim import cluster`` also as
+    ``tinyserve.sim.cluster``. A bare ``import tinyserve`` is its ``__init__``."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            if node.module == "tinyserve":
-                names.update(f"tinyserve.{alias.name}" for alias in node.names)
-    return names
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = package_of(path).split(".")
+                if node.level > len(package):
+                    raise AssertionError(f"{path}: relative import beyond the package")
+                base = ".".join(package[:len(package) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module
+            if module != "tinyserve":       # `from tinyserve import x` is about x alone
+                names.add(module)
+            if not module.startswith("tinyserve"):
+                continue
+            for alias in node.names:
+                if module_path(f"{module}.{alias.name}") is not None:
+                    names.add(f"{module}.{alias.name}")
+                elif module == "tinyserve":
+                    # Not a module: a name __init__ re-exports (or a typo, caught below).
+                    names.add(reexports().get(alias.name, f"tinyserve.{alias.name}"))
+    return {"tinyserve.__init__" if n == "tinyserve" else n for n in names}
+
+
+def top_name(module: str) -> str:
+    """``tinyserve.kernels.softmax`` -> ``kernels``."""
+    return module.split(".")[1]
 
 
 def layer_of(module: str) -> str | None:
-    parts = module.split(".")
-    if parts[0] != "tinyserve" or len(parts) < 2:
+    """The layer of a module of the package; None for other libraries."""
+    if module.split(".")[0] != "tinyserve":
         return None
-    return next((layer for layer, names in LAYERS.items() if parts[1] in names), None)
+    layer = next((layer for layer, names in LAYERS.items() if top_name(module) in names), None)
+    assert layer is not None, f"{module} is in no layer"
+    return layer
 
 
 def files_of(layer: str) -> list[Path]:
-    return [f for name in LAYERS[layer] for f in module_files(name) if f.exists()]
+    return [f for name in LAYERS[layer] for f in module_files(name)]
 
 
-def test_every_module_belongs_to_a_layer():
-    listed = {name for names in LAYERS.values() for name in names}
+def all_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_belongs_to_exactly_one_layer_and_every_listed_name_exists():
+    listed = [name for names in LAYERS.values() for name in names]
     top = {p.stem for p in PACKAGE.glob("*.py")}
     top |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert top <= listed, f"modules with no layer: {sorted(top - listed)}"
+    assert top - set(listed) == set(), f"modules with no layer: {sorted(top - set(listed))}"
+    assert set(listed) - top == set(), f"listed but no such module: {sorted(set(listed) - top)}"
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert sorted(CORE) == sorted(set(CORE)), "a core module is in two rows"
+
+
+def test_every_imported_module_of_the_package_exists():
+    """A misspelt or removed module fails here, even in a lazy import that no test runs."""
+    missing = [f"{path.relative_to(PACKAGE)}: {m}" for path in all_files()
+               for m in imported_modules(path)
+               if m.split(".")[0] == "tinyserve" and m != "tinyserve.__init__"
+               and module_path(m) is None]
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
@@ -73,6 +151,17 @@ def test_a_layer_imports_only_from_the_layers_below_it(layer):
         bad = {m for m in imported_modules(path)
                if layer_of(m) is not None and layer_of(m) not in MAY_IMPORT[layer]}
         assert not bad, f"{path.relative_to(PACKAGE)} ({layer}) imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_a_core_module_imports_only_the_rows_below_it(name):
+    """So the core has no import cycle (model <-> checkpoint was one): each module can be
+    read, and tested, knowing only the ones in lower rows of CORE_ROWS."""
+    for path in module_files(name):
+        bad = {m for m in imported_modules(path) if layer_of(m) == "core"
+               and top_name(m) != name and CORE_ROW[top_name(m)] >= CORE_ROW[name]}
+        assert not bad, (f"{path.relative_to(PACKAGE)} (row {CORE_ROW[name]}) imports "
+                         f"{sorted(bad)}, not from a lower row")
 
 
 @pytest.mark.parametrize("layer", ["core", "sim"])
@@ -86,9 +175,9 @@ def test_private_names_are_never_imported_across_modules():
     found = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tinyserve"):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("tinyserve")):
                 private = [a.name for a in node.names if a.name.startswith("_")]
-                private += [part for part in node.module.split(".") if part.startswith("_")]
+                private += [part for part in (node.module or "").split(".") if part.startswith("_")]
                 if private:
                     found.append(f"{path.relative_to(PACKAGE)}: {private} from {node.module}")
     assert not found, "private names imported across modules:\n" + "\n".join(found)
