@@ -2,12 +2,16 @@
 freed only when the last user leaves, stay cached until evicted (LRU), and never
 change a single output token."""
 
+import hashlib
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.kv_cache import BlockManager
+from tinyserve.kv_cache import BlockManager, chain_hash
 
 
 def shared_prefix_prompts(seed, groups=3, per_group=4, prefix_len=40, vocab=2045):
@@ -198,8 +202,31 @@ def test_integrity_check_catches_a_cached_block_whose_chain_is_broken():
     bm.check_integrity()
     second = bm.blocks[bm.block_table("a")[1]]
     second.parent_hash = None                 # as if block 1 were a prompt's first block
-    second.block_hash = hash((None, second.token_ids))
+    second.block_hash = chain_hash(None, second.token_ids)
     bm.cached = {bm.blocks[bm.block_table("a")[0]].block_hash: [bm.block_table("a")[0]],
                  second.block_hash: [second.block_id]}
     with pytest.raises(AssertionError, match="not chained"):
         bm.check_integrity()
+
+
+def test_chain_hash_is_sha256_of_the_parent_digest_and_little_endian_uint32_ids():
+    """The encoding spelled out independently: ids past 65,535 (Qwen's 151k vocabulary)
+    keep all their bytes, and a child's digest covers its parent's."""
+    first, second = (1, 70_000, 2**32 - 1, 0), (5, 6, 7, 8)
+    encode = lambda ids: b"".join(t.to_bytes(4, "little") for t in ids)      # noqa: E731
+    root = hashlib.sha256(encode(first)).digest()
+    assert chain_hash(None, first) == root and len(root) == 32
+    assert chain_hash(root, second) == hashlib.sha256(root + encode(second)).digest()
+    assert chain_hash(root, second) != chain_hash(None, second)
+    assert chain_hash(None, (1, 70_000 - 65_536, 2**32 - 1, 0)) != root
+
+
+def test_chain_hash_is_the_same_in_another_process_whatever_its_hash_seed():
+    """Python's hash() of a tuple holding None changes from process to process before
+    3.12, and str/bytes hashes follow PYTHONHASHSEED: a block's name must not."""
+    ids = (3, 1, 4, 1, 5, 9, 2, 6)
+    code = ("from tinyserve.kv_cache import chain_hash; "
+            f"print(chain_hash(chain_hash(None, {ids!r}), {ids!r}).hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert out == chain_hash(chain_hash(None, ids), ids).hex()

@@ -3,7 +3,8 @@ kernels (``kernels``), the batch-size crossover on this machine (``crossover``),
 decode step against the weight-read floor, eager and compiled (``step``),
 tinyserve against transformers' ``generate`` on the same weights (``peer``),
 the simulator against the real engine (``sim``), a server under rounds of streams and
-hostile requests (``soak``: errors, RSS and KV blocks per round), and every GPU
+hostile requests (``soak``: errors, RSS and KV blocks per round), the cost of a
+prefix-cache block hash (``prefix-hash``), and every GPU
 measurement the book needs in one run (``gpu-evidence``, see ``gpu_evidence``).
 Run ``python -m tinyserve.bench``.
 """
@@ -18,7 +19,7 @@ def main(argv=None) -> None:
         from tinyserve.bench import gpu_evidence
         sys.exit(gpu_evidence.main(argv[1:]))
 
-    from tinyserve.bench import crossover, kernels, peer, sim, soak, step
+    from tinyserve.bench import crossover, kernels, peer, prefix_hash, sim, soak, step
     parser = argparse.ArgumentParser(prog="python -m tinyserve.bench",
                                      description="tinyserve benchmarks; each prints a table")
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -41,6 +42,8 @@ def main(argv=None) -> None:
     sim.add_arguments(sp)
     soak.add_arguments(sub.add_parser("soak", help="a server under rounds of streams and hostile "
                                                    "requests: errors, RSS, KV blocks per round"))
+    prefix_hash.add_arguments(sub.add_parser("prefix-hash", help="ns per prefix-cache block: "
+                                                                 "builtin hash vs sha256 vs blake2b"))
     sub.add_parser("gpu-evidence", add_help=False,
                    help="every GPU measurement the book needs, as JSON (see gpu-evidence --help)")
     args = parser.parse_args(argv)
@@ -56,3 +59,5 @@ def main(argv=None) -> None:
         sim.main(args)
     elif args.bench == "soak":
         sys.exit(soak.main(args))
+    elif args.bench == "prefix-hash":
+        prefix_hash.main(args)
