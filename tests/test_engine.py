@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from tinyserve import LLM, SamplingParams
+from tinyserve.core import EngineCore, VirtualClock
 from tinyserve.engine import LLMEngine
+from tinyserve.kv_cache import BlockManager
 from tinyserve.request import Request, RequestStatus
+from tinyserve.scheduler import SchedulerConfig
 
 
 def random_prompts(n, seed, lo=1, hi=70, vocab=2045):
@@ -224,6 +227,60 @@ def test_static_batching_admits_nobody_until_the_batch_is_done():
         cont.step()
     assert ids[2] in {rid for rid, _ in cont.step_stats[2].batch}
     assert len(cont.step_stats) < len(engine.step_stats)
+
+
+class FixedToken:
+    """An executor with no model: every request that samples emits token 7."""
+
+    def execute(self, plan):
+        return {s.request.request_id: 7 for s in plan.scheduled if s.samples}
+
+    def release(self, request_id):
+        pass
+
+
+def test_static_batching_preempts_only_members_that_hold_blocks():
+    """Members of a static batch that the token budget has not reached yet hold no
+    blocks: preempting one frees nothing (it only shrank the batch and inflated the
+    count). Randomized small caches and budgets; every victim held blocks when its
+    step began, and the case the rule is about (a blockless member behind the one
+    that needs a block) does come up."""
+    rng = random.Random(0)
+    num_preempted = blockless_behind = 0
+    for _ in range(40):
+        config = SchedulerConfig(max_num_seqs=rng.randint(2, 6),
+                                 max_num_batched_tokens=rng.choice([4, 8, 16]), block_size=4,
+                                 batching="static", max_model_len=64)
+        bm = BlockManager(rng.randint(4, 12), 4)
+        core = EngineCore(config, bm, FixedToken(), VirtualClock(), check_invariants=True)
+        for i in range(rng.randint(2, 10)):
+            core.add_request(Request(str(i), [1 + i] * rng.randint(1, 8),
+                                     SamplingParams(max_tokens=rng.randint(1, 8), ignore_eos=True), 0.0))
+        while core.has_unfinished_requests():
+            held = {rid for rid, table in bm.block_tables.items() if table}
+            waiting_for_budget = [r for r in core.scheduler.running if r.request_id not in held]
+            result = core.step()
+            assert all(v.request_id in held for v in result.plan.preempted), "a blockless victim"
+            num_preempted += len(result.plan.preempted)
+            blockless_behind += bool(result.plan.preempted and waiting_for_budget)
+        assert bm.num_free_blocks == bm.num_blocks
+    assert num_preempted > 0 and blockless_behind > 0
+
+
+def test_a_static_batch_that_one_request_fills_preempts_nobody():
+    """4 blocks hold one of these requests (8 + 8 tokens, blocks of 4) at a time; the
+    other members wait in their seats, blockless, until it leaves. Preempting them
+    (6 preemptions before) freed nothing. Outputs are those of each request alone."""
+    prompts = [[11 + i] * 8 for i in range(4)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = LLM("tiny", seed=0, max_num_seqs=1, block_size=4)
+    reference = [alone.generate([p], params)[0].token_ids for p in prompts]
+    llm = LLM("tiny", seed=0, batching="static", max_num_seqs=4, max_num_batched_tokens=8,
+              block_size=4, num_kv_blocks=4)
+    assert token_ids(llm.generate(prompts, params)) == reference
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert len(llm.engine.step_stats) == 4 * 8        # one request at a time, 8 steps each
+    assert_all_blocks_free(llm)
 
 
 def test_token_budget_and_seats_are_respected():

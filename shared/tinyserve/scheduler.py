@@ -12,9 +12,11 @@ KV blocks. Two batching modes share the code:
   empty seats behind).
 
 When a running request needs a block and none is free, the most recently
-admitted request is *preempted by recompute*: its blocks are freed and it goes
-back to the front of the queue; when re-admitted, its prompt and the tokens it
-already produced are prefilled again, so its output does not change.
+admitted request that holds blocks is *preempted by recompute*: its blocks are
+freed and it goes back to the front of the queue; when re-admitted, its prompt
+and the tokens it already produced are prefilled again, so its output does not
+change. A member of a static batch that has not run yet holds no blocks:
+preempting it would free nothing, so it keeps its seat and waits for blocks.
 """
 
 from __future__ import annotations
@@ -165,17 +167,31 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.can_allocate(request.request_id, request.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = self._victim(i)
+                if victim is None:
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             if request.status is RequestStatus.PREEMPTED:
                 break
+            if not bm.can_allocate(request.request_id, request.num_computed_tokens + n):
+                i += 1                      # holds no blocks, and none can be freed for it
+                continue
             out.scheduled.append(self._schedule(request, n, now))
             budget -= n
             i += 1
         return budget
+
+    def _victim(self, start: int) -> Request | None:
+        """The most recently admitted of ``running[start:]`` (not yet scheduled this step)
+        that holds blocks, or None."""
+        for request in reversed(self.running[start:]):
+            if self.block_manager.block_table(request.request_id):
+                return request
+        return None
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
         bm = self.block_manager
