@@ -120,7 +120,13 @@ class EngineCore:
         start = self.clock()
         plan = self.scheduler.schedule(start)
         if plan.is_empty and not plan.preempted and self.scheduler.has_unfinished_requests():
-            raise RuntimeError("engine stalled: requests wait but nothing can be scheduled")
+            # Only a policy that admits nobody gets here: check_fits let in only requests
+            # that fit an empty cache and budget. Name the request it leaves waiting.
+            waiting = self.scheduler.waiting
+            head = repr(waiting[0].request_id) if waiting else "none"
+            raise RuntimeError(f"engine stalled: nothing can be scheduled; the request at the "
+                               f"head of the queue ({head}) waits, and policy "
+                               f"{self.scheduler.policy.name!r} admitted nobody")
         planned = self.clock()
         sampled = self.executor.execute(plan)
         ran = self.clock()

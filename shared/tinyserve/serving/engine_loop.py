@@ -13,7 +13,9 @@ One request's failure is that request's alone. If sampling raises for a request
 (the executor records it, ``ModelExecutor.sample_failures``), that request is
 aborted and its handler gets an ``EngineError``; everyone else in the step gets
 their token. If a step fails as a whole, the requests it was running fail and
-the waiting ones are kept; the engine goes on.
+the waiting ones are kept; the engine goes on. A step that fails with nothing
+running (a stall: the policy admits nobody) fails the request at the head of the
+queue instead, so every failed step removes a request and the thread never spins.
 
 Stop strings are applied here, on the text each step adds (``StopStrings``): a
 request that hits one finishes with ``finish_reason="stop"`` and is aborted at
@@ -273,9 +275,12 @@ class EngineLoop:
 
     def _fail_step(self, exc: Exception) -> None:
         """A step raised outside per-request sampling: fail the requests it was running
-        (their state is unknown), keep the waiting ones, and go on."""
+        (their state is unknown), keep the waiting ones, and go on. With nothing running
+        the next step would fail the same way: the head of the queue fails instead."""
         log.error("engine step failed; failing the requests it ran", exc_info=exc)
         engine, batches = self.engine, {}
+        if not engine.scheduler.running and engine.scheduler.waiting:
+            self._fail_request(engine.scheduler.waiting[0].request_id, exc, batches)
         for rid in list(self._streams):
             request = engine.requests.get(rid)
             if request is not None and request.status in (RequestStatus.WAITING,
