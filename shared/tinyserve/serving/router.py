@@ -1,5 +1,5 @@
 """A streaming HTTP router over replicas, choosing each with a policy of
-``tinyserve.sim.routing`` (round_robin, least_outstanding, cache_aware).
+``tinyserve.routing`` (round_robin, least_outstanding, cache_aware).
 
     tinyserve route --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 --policy cache_aware --port 8000
 
