@@ -150,7 +150,7 @@ def test_new_presets_sane_ranges(name):
     hw = hwm.get_hardware(name)
     assert hw.source and ("datasheet" in hw.source or "whitepaper" in hw.source)
     assert 200e9 <= hw.memory_bandwidth <= 1.2e12          # GDDR6/6X: 0.2-1.2 TB/s
-    assert hw.memory_size in (24e9, 48e9)
+    assert hw.memory_size in (24 * 2**30, 48 * 2**30)       # binary: 24 GiB, 48 GiB
     assert 25e12 <= hw.peak_flops("fp32") <= 100e12        # non-tensor fp32
     assert 50e12 <= hw.peak_flops("fp16") <= 400e12        # dense, below an H100's 989
     assert hw.peak_flops("fp16") < H100_SXM.peak_flops("fp16")
@@ -171,7 +171,8 @@ def test_new_presets_values():
     assert hwm.RTX_4090.peak_flops("fp16") == pytest.approx(165.2e12)  # FP32 accumulate
     assert hwm.RTX_4090.memory_bandwidth == 1008e9
     assert hwm.L4.peak_flops("fp16") == 121e12 and hwm.L4.memory_bandwidth == 300e9
-    assert hwm.L40S.peak_flops("fp16") == pytest.approx(362.05e12) and hwm.L40S.memory_size == 48e9
+    assert hwm.L40S.peak_flops("fp16") == pytest.approx(362.05e12) and hwm.L40S.memory_size == 48 * 2**30
+    assert hwm.A100_SXM_80GB.memory_size == 81920 * 2**20          # nvidia-smi: 81920 MiB
     assert "fp8" not in hwm.RTX_3090.flops                              # Ampere has no fp8
     assert crossover_batch(hwm.RTX_3090, LLAMA_7B, "fp16") == pytest.approx(76, abs=1)
     assert crossover_batch(hwm.RTX_4090, LLAMA_7B, "fp16") == pytest.approx(164, abs=1)

@@ -85,11 +85,15 @@ class HardwareSpec:
 
 
 T = 1e12
+# Memory sizes are binary: what a datasheet prints as "80GB" of HBM is 80 GiB (nvidia-smi
+# shows an A100 80GB as 81,920 MiB and an RTX 4090 as 24,564 MiB). Bandwidths and FLOP/s
+# are decimal, as printed.
+GiB = 2**30
 A100_SXM_80GB = HardwareSpec(
     name="A100-SXM4-80GB",
     flops={"fp32": 19.5 * T, "tf32": 156 * T, "fp16": 312 * T, "bf16": 312 * T, "int8": 624 * T},
     memory_bandwidth=2039e9,
-    memory_size=80e9,
+    memory_size=80 * GiB,
     source="NVIDIA A100 datasheet, SXM 80GB column, dense (fp32 without tensor cores)",
 )
 H100_SXM = HardwareSpec(
@@ -97,7 +101,7 @@ H100_SXM = HardwareSpec(
     flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989 * T, "bf16": 989 * T,
            "fp8": 1979 * T, "int8": 1979 * T},
     memory_bandwidth=3.35e12,
-    memory_size=80e9,
+    memory_size=80 * GiB,
     source="NVIDIA H100 datasheet, SXM column, dense (half the with-sparsity figures)",
 )
 # The same Ampere chip with the first, smaller HBM2 (same FLOP/s).
@@ -105,7 +109,7 @@ A100_SXM_40GB = dataclasses.replace(
     A100_SXM_80GB,
     name="A100-SXM4-40GB",
     memory_bandwidth=1555e9,
-    memory_size=40e9,
+    memory_size=40 * GiB,
     source="NVIDIA A100 datasheet, 40GB columns (1,555 GB/s), dense (fp32 without tensor cores)",
 )
 # The same Hopper chip as the H100 (same FLOP/s), with more and faster HBM.
@@ -113,14 +117,14 @@ H200 = dataclasses.replace(
     H100_SXM,
     name="H200-SXM-141GB",
     memory_bandwidth=4.8e12,
-    memory_size=141e9,
+    memory_size=141 * GiB,
     source="NVIDIA H200 datasheet, SXM column, dense (half the with-sparsity figures)",
 )
 
 # GPUs readers own or rent. All figures dense (no structured sparsity). Where a table gives
 # FP16 tensor throughput with FP16 and with FP32 accumulate (the GeForce whitepapers do, and
 # GeForce cards run FP32 accumulate at half rate), we take FP32 accumulate: PyTorch's fp16 /
-# bf16 matmuls accumulate in fp32. Sizes follow the presets above (24 GB -> 24e9 bytes).
+# bf16 matmuls accumulate in fp32. Sizes are binary, as above (24 GB -> 24 GiB).
 RTX_3090 = HardwareSpec(
     name="GeForce-RTX-3090-24GB",
     flops={
@@ -134,7 +138,7 @@ RTX_3090 = HardwareSpec(
         # no fp8: Ampere tensor cores have none
     },
     memory_bandwidth=936e9,  # GA102 whitepaper, Appendix A Table 9: Memory Bandwidth 936 GB/sec
-    memory_size=24e9,        # same table: 24 GB GDDR6X
+    memory_size=24 * GiB,     # same table: 24 GB GDDR6X
     source=("NVIDIA Ampere GA102 GPU architecture whitepaper, Appendix A Table 9 (GeForce RTX 3090), "
             "dense, fp16 with FP32 accumulate; bf16 from the NVIDIA RTX Blackwell GPU architecture "
             "whitepaper, Table 3 (RTX 3090 column), BF16 with FP32 accumulate"),
@@ -152,7 +156,7 @@ RTX_4090 = HardwareSpec(
         "int8": 660.6 * T,  # same: Peak INT8 Tensor TOPS 660.6/1321.2
     },
     memory_bandwidth=1008e9,  # same: Memory Bandwidth 1008 GB/sec
-    memory_size=24e9,         # same: 24 GB GDDR6X
+    memory_size=24 * GiB,     # same: 24 GB GDDR6X
     source=("NVIDIA Ada Lovelace GPU architecture whitepaper (AD102), Appendix A (GeForce RTX 4090), "
             "dense, fp16/bf16/fp8 with FP32 accumulate"),
 )
@@ -169,7 +173,7 @@ L4 = HardwareSpec(
         # third-party copies), so no sourced figure; use fp16 for the L4.
     },
     memory_bandwidth=300e9,  # L4 datasheet: GPU memory bandwidth 300 GB/s
-    memory_size=24e9,        # L4 datasheet: 24 GB GDDR6
+    memory_size=24 * GiB,     # L4 datasheet: 24 GB GDDR6
     source="NVIDIA L4 datasheet, dense (half the with-sparsity tensor figures)",
 )
 L40S = HardwareSpec(
@@ -184,10 +188,10 @@ L40S = HardwareSpec(
         # int8 left out: the retrieved copies of the datasheet leave the L40S INT8 cell blank.
     },
     memory_bandwidth=864e9,  # L40S datasheet: memory bandwidth 864 GB/s
-    memory_size=48e9,        # L40S datasheet: 48 GB GDDR6 with ECC
+    memory_size=48 * GiB,     # L40S datasheet: 48 GB GDDR6 with ECC
     source="NVIDIA L40S datasheet, dense (the first of each dense | sparse* pair)",
 )
-del T
+del T, GiB
 
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "A100_SXM_80GB": A100_SXM_80GB,
