@@ -21,11 +21,13 @@ TEACHER ?=
 HIDDEN := solutions __pycache__ *.pyc *.pyo .DS_Store *~
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test claims demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
+.PHONY: help venv install lab test book book-check claims demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
 	@echo "make test     run every test: unit tests, notebooks (nbval), labs checks"
+	@echo "make book     the companion as a website in _build/html (TEACHER=1: with answers and the instructor guide)"
+	@echo "make book-check  every link, image and search term of the built site; the browser test when chromium is there"
 	@echo "make claims   every claim of the chapter measured on this machine, one verdict table (+ claims.json)"
 	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.book.demo)"
 	@echo "make bench    fused vs unfused kernels on this machine, one table"
@@ -52,6 +54,12 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install $(PIP_ARGS) -e '.[dev]'
 	touch $@
 
+# The website's tools (Sphinx, myst-nb, ...): `make book` and `make test` install them, `make lab` does not.
+BOOK_STAMP := $(VENV)/.installed-book
+$(BOOK_STAMP): $(STAMP)
+	$(PY) -m pip install $(PIP_ARGS) -e '.[book]'
+	touch $@
+
 # Jupyter refuses to run as root unless told; classroom containers often are root.
 lab: $(STAMP)
 	$(if $(TEACHER),,JUPYTER_CONFIG_PATH=$(CURDIR)/shared/jupyter$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH))) \
@@ -63,8 +71,17 @@ lab: $(STAMP)
 # One pytest run. --nbval-current-env runs notebooks with this venv's python,
 # whatever kernel a machine has installed globally. Claims are strict here: a claim
 # that fails is measured again, and fails the run only if it fails every time.
-test: $(STAMP)
+test: $(STAMP) $(BOOK_STAMP)
 	TINYSERVE_CLAIMS=strict $(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
+
+# The site from the committed notebooks (nothing is executed), warnings as errors.
+# View it: python -m http.server -d _build/html
+book: $(BOOK_STAMP)
+	$(PY) -m tinyserve.book.site build $(if $(TEACHER),--teacher)
+
+book-check: $(BOOK_STAMP)
+	$(PY) -m tinyserve.book.site check _build/html
+	TINYSERVE_BOOK_HTML=_build/html $(PY) -m pytest tests/test_book_site.py
 
 claims: $(STAMP)
 	$(PY) -m tinyserve.book.claims --json claims.json
@@ -102,6 +119,6 @@ grade:
 	$(PY) -m tinyserve.labs grade $(if $(TIMEOUT),--timeout $(TIMEOUT)) "$(NB)"
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist
+	rm -rf $(VENV) .pytest_cache build dist _build
 	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \
 		-o -name .ipynb_checkpoints -o -name .virtual_documents \) -prune -exec rm -rf {} +

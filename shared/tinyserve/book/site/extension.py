@@ -1,0 +1,195 @@
+"""The Sphinx extension behind ``make book``: what the site adds to the sources.
+
+- the sidebar: a hidden toctree appended to the README (the root page) as it is
+  read, so README.md itself stays plain Markdown;
+- on each notebook page, under its title: 在 JupyterLab 中打开 / 下载 notebook;
+- an interactive explorer's cell (``widgets.*(...)``, stored without widget
+  state) shows a note that it is live in JupyterLab, beside its static figure;
+- every output figure gets alt text: its section's title and what the plotting
+  function draws (its docstring's first sentence);
+- a link to a page of the repository that this build leaves out (a teacher's
+  page in a reader's build, any page in a partial build) becomes plain text
+  instead of a broken reference or a download of the source file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import posixpath
+import re
+from pathlib import Path
+
+from docutils import nodes
+from sphinx import addnodes
+from sphinx.transforms import SphinxTransform
+
+PAGE_SUFFIXES = (".md", ".ipynb")
+WIDGET_CALL = re.compile(r"\bwidgets\.\w+\(")
+CALL = re.compile(r"\b(\w+)\(")
+WIDGET_NOTE = ("交互控件（ipywidgets）：在 JupyterLab 中运行这一格，就能拨动它的选项（本页开头的"
+               "“在 JupyterLab 中打开”）。网页上显示的是保存的输出；上一格的图就是默认参数下的静态版本。")
+
+
+def toctree_source(sections) -> str:
+    """MyST for the sidebar: one hidden toctree per section."""
+    blocks = []
+    for caption, docs in sections:
+        blocks.append("```{toctree}\n:hidden:\n:caption: " + caption + "\n\n" + "\n".join(docs) + "\n```\n")
+    return "\n\n" + "\n".join(blocks)
+
+
+def on_source_read(app, docname, source):
+    if docname == app.config.root_doc:
+        source[0] += toctree_source(app.config.tinyserve_sections)
+
+
+def repo_path(env, refdoc: str, target: str) -> str:
+    """``target`` (relative to the page ``refdoc``) as a path from the site's root."""
+    target = target.split("#", 1)[0]
+    return posixpath.normpath(posixpath.join(posixpath.dirname(refdoc), target))
+
+
+def first_sentence(doc: str) -> str:
+    text = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    text = text.replace("``", "")
+    return re.split(r"(?<=[.;:])\s", text, maxsplit=1)[0].rstrip(".;:")
+
+
+def figure_descriptions() -> dict[str, str]:
+    """What each plotting function of ``tinyserve.book.plots`` draws (its docstring's first
+    sentence), by function name; helpers of ``plots.common`` are left out."""
+    from tinyserve.book import plots
+
+    found = {}
+    for name, fn in inspect.getmembers(plots, inspect.isfunction):
+        module = getattr(fn, "__module__", "")
+        if module.startswith("tinyserve.book.plots.") and not module.endswith(".common") and fn.__doc__:
+            found[name] = first_sentence(fn.__doc__)
+    return found
+
+
+class PageAdditions(SphinxTransform):
+    """Read time, before the collectors (Sphinx's ``doctree-read`` transform is 880):
+    out-of-build links, notebook links, widget notes and figure alt text."""
+
+    default_priority = 870
+
+    def apply(self, **kwargs):
+        env = self.env
+        docname = env.docname
+        self.unlink_pages_not_built(docname)
+        source = Path(env.doc2path(docname))
+        if source.suffix == ".ipynb":
+            self.add_notebook_links(docname, source.name)
+            self.note_widgets()
+            self.add_alt_text(docname)
+
+    # -- links to pages this build leaves out
+
+    def unlink_pages_not_built(self, docname):
+        env, srcdir = self.env, Path(self.env.srcdir)
+        for node in list(self.document.findall(addnodes.pending_xref)) + \
+                list(self.document.findall(addnodes.download_reference)):
+            if node.get("reftype") != "myst":
+                continue
+            if node.get("refdomain") == "doc":
+                target = node["reftarget"]
+                if target in env.found_docs:
+                    continue
+                candidates = [target + s for s in PAGE_SUFFIXES]
+            else:
+                path = repo_path(env, docname, node["reftarget"])
+                if path.endswith(PAGE_SUFFIXES) and path.rsplit(".", 1)[0] in env.found_docs:
+                    continue
+                candidates = [path]
+            repo = Path(env.config.tinyserve_root)
+            left_out = [c for c in candidates if c.endswith(PAGE_SUFFIXES) and (repo / c).is_file()]
+            a_folder = [c for c in candidates if (repo / c).is_dir() or (srcdir / c).is_dir()]
+            if left_out or a_folder:
+                text = nodes.inline("", "", *[child.deepcopy() for child in node.children],
+                                    classes=["not-in-site"])
+                node.replace_self(text)
+
+    # -- 在 JupyterLab 中打开 / 下载 notebook
+
+    def add_notebook_links(self, docname, filename):
+        section = next(iter(self.document.findall(nodes.section)), None)
+        if section is None:
+            return
+        lab = nodes.reference("", "在 JupyterLab 中打开", refuri=self.config.tinyserve_lab_url + docname + ".ipynb",
+                              classes=["open-in-jupyterlab"])
+        download = addnodes.download_reference("", "", refdoc=docname, reftarget=filename, refexplicit=True,
+                                               reftype="download", refdomain="", classes=["download-notebook"])
+        download += nodes.inline("", "下载 notebook")
+        para = nodes.paragraph("", "", lab, nodes.Text(" / "), download,
+                               nodes.Text("（先在仓库根目录运行 "), nodes.literal("", "make lab"),
+                               nodes.Text("；notebook 里保存着这里看到的全部输出）"), classes=["notebook-links"])
+        title = section.next_node(nodes.title)
+        section.insert(section.index(title) + 1 if title is not None else 0, para)
+
+    # -- interactive explorers
+
+    def note_widgets(self):
+        for cell in self.cells():
+            source, output = self.cell_parts(cell)
+            if source is None or not WIDGET_CALL.search(source.astext()):
+                continue
+            note = nodes.note("", nodes.paragraph("", WIDGET_NOTE), classes=["widget-note"])
+            if output is None:
+                cell.append(note)
+            else:
+                output.children = []
+                output.append(note)
+
+    # -- alt text of output figures
+
+    def add_alt_text(self, docname):
+        descriptions = None
+        for cell in self.cells():
+            source, output = self.cell_parts(cell)
+            images = [i for i in (output.findall(nodes.image) if output is not None else []) if not i.get("alt")]
+            if not images:
+                continue
+            if descriptions is None:
+                descriptions = figure_descriptions()
+            drawn = []
+            for name in CALL.findall(source.astext() if source is not None else ""):
+                if name in descriptions and descriptions[name] not in drawn:
+                    drawn.append(descriptions[name])
+            heading = self.section_title(cell) or self.section_title(self.document.next_node(nodes.section))
+            bundles = {id(img.parent) for img in images}
+            for i, img in enumerate(images, 1):
+                alt = f"图：{heading}" + (f"（{'；'.join(drawn)}）" if drawn else "")
+                if len(bundles) > 1:
+                    alt += f"，第 {i} 张"
+                img["alt"] = alt
+
+    # -- helpers
+
+    def cells(self):
+        return [n for n in self.document.findall(nodes.container) if n.get("nb_element") == "cell_code"]
+
+    @staticmethod
+    def cell_parts(cell):
+        source = next((c for c in cell.children if c.get("nb_element") == "cell_code_source"), None)
+        output = next((c for c in cell.children if c.get("nb_element") == "cell_code_output"), None)
+        return source, output
+
+    @staticmethod
+    def section_title(node):
+        while node is not None and not isinstance(node, nodes.section):
+            node = node.parent
+        if node is None:
+            return ""
+        title = node.next_node(nodes.title)
+        return title.astext() if title is not None else ""
+
+
+def setup(app):
+    app.add_config_value("tinyserve_sections", [], "env")
+    app.add_config_value("tinyserve_lab_url", "", "env")
+    app.add_config_value("tinyserve_teacher", False, "env")
+    app.add_config_value("tinyserve_root", "", "env")
+    app.connect("source-read", on_source_read)
+    app.add_transform(PageAdditions)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
