@@ -63,6 +63,9 @@ def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=No
     if fcfs is not None:
         ax.axhline(fcfs[0], color="C3", ls=":", lw=1, label="long: FCFS")
     ax.set_xscale("symlog", linthresh=max(1.0, float(np.min(x[x > 0])) if (x > 0).any() else 1.0))
+    # Ticks at the swept rates only: symlog's own put "0" and "10^1" on top of each other.
+    ax.set_xticks(x, [f"{v:g}" for v in x])
+    ax.minorticks_off()
     ax.set_xlabel("aging (tokens of priority per second waited)")
     ax.set_ylabel("max queue wait of long requests (s)", color="C3")
     right = ax.twinx()
