@@ -21,7 +21,9 @@ def plot_before_after(scenarios, before, after, ylabel, ax=None, slo=None, log=F
     x = np.arange(len(scenarios))
     for offset, values, color, label in ((-0.2, before, "tab:red", labels[0]), (0.2, after, "tab:green", labels[1])):
         bars = ax.bar(x + offset, values, 0.4, color=color, alpha=0.8, label=label)
-        ax.bar_label(bars, [_short(v) for v in values], fontsize=SMALL, padding=1)
+        # On a white patch above the SLO line: a value next to the line stays readable.
+        ax.bar_label(bars, [_short(v) for v in values], fontsize=SMALL, padding=1, zorder=3,
+                     bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
     if slo is not None:
         ax.axhline(slo, ls="--", color="black", lw=1, label="SLO")
     if log:
