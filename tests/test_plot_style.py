@@ -20,7 +20,7 @@ from tinyserve.book import plots  # noqa: E402  (sets the style)
 from tinyserve.book.plots import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN_NUMBERS = re.compile(r"\b(dpi|fontsize|title_fontsize)\s*=\s*\d")
+OWN_NUMBERS = re.compile(r"\b(dpi|fontsize|title_fontsize|labelsize|title_size|legend)\s*=\s*\d")
 
 
 def test_a_figure_from_the_plots_package_has_the_books_dpi_and_legend_size():

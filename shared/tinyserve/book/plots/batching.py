@@ -101,7 +101,7 @@ def plot_queue_length(traces, predicted=None, ax=None, title="Queue length over 
 
     ``traces`` maps a label to ``(times_s, queue_lengths)``, drawn as steps and named
     ``"{source} {label}"`` (notebook 06 passes ``source="simulated"``, its simulator's
-    clock as ``xlabel`` and ``title_size=10``); ``predicted`` maps a label to
+    clock as ``xlabel`` and ``title_size=TITLE``); ``predicted`` maps a label to
     ``(times_s, values)``, e.g. the ``(lambda - mu) t`` growth line, drawn dashed in
     the same colour.
     """

@@ -50,7 +50,7 @@ def crossover_explorer(hw, model, dtype="fp16", context_len=0, ax=None, max_batc
     left.set_xscale("log", base=2)
     left.set_ylim(bottom=0)
     finish(left, f"{model.name}, {dtype} on {hw.name}", xlabel="batch size B",
-           ylabel="decode step time (ms)", title_size=10, grid="both", legend=7)
+           ylabel="decode step time (ms)", title_size=TITLE, grid="both")
 
     per_user, total = 1 / step, b / step
     right.plot(b, per_user, color="tab:blue", lw=2, label="per-user tok/s")
@@ -86,7 +86,7 @@ def roofline(peak_flops, bandwidth, points=None, ax=None, title="Roofline", inte
     ax.set_xscale("log")
     ax.set_yscale("log")
     return finish(ax, title, xlabel="arithmetic intensity (FLOP / byte)", ylabel="attainable TFLOP/s",
-                  title_size=10, grid="both", legend=7)
+                  title_size=TITLE, grid="both")
 
 
 def measured_vs_roofline(batch_sizes, measured_s, predicted_s, fit=None, ax=None,
@@ -105,7 +105,7 @@ def measured_vs_roofline(batch_sizes, measured_s, predicted_s, fit=None, ax=None
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     return finish(ax, title, xlabel="batch size B", ylabel="step time (ms)",
-                  title_size=10, grid="both", legend=7)
+                  title_size=TITLE, grid="both")
 
 
 def latency_throughput(curves, ax=None, title="Latency vs throughput as the batch grows",
@@ -123,4 +123,4 @@ def latency_throughput(curves, ax=None, title="Latency vs throughput as the batc
     ax.set_xscale("log")
     ax.set_yscale("log")
     return finish(ax, title, xlabel="total tokens/s (all users)", ylabel="per-user tokens/s",
-                  title_size=10, grid="both", legend=7)
+                  title_size=TITLE, grid="both")

@@ -70,4 +70,4 @@ def bytes_vs_context(contexts, series, ax=None, title="Decode attention: bytes p
     ax.set_yscale("log")
     ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
     return finish(ax, title, xlabel="context length (tokens per request)",
-                  ylabel=f"bytes read + written ({unit_name})", title_size=10, grid="both", legend=7)
+                  ylabel=f"bytes read + written ({unit_name})", title_size=TITLE, grid="both")

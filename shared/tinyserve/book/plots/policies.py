@@ -12,7 +12,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from tinyserve.book.plots.common import ensure_axes, finish, SMALL, MEDIUM, TITLE
-from tinyserve.sim.fidelity import FIT_METRICS
+from tinyserve.sim.fidelity import SPEED_METRICS
 
 
 def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requests",
@@ -42,7 +42,7 @@ def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requ
         narrow = span and min(span) > 0 and max(span) / min(span) < 100
         ax.xaxis.set_minor_formatter(FuncFormatter(_two_and_five) if narrow else NullFormatter())
     ax.set_ylim(0, 1.02)
-    return finish(ax, title, xlabel=xlabel, ylabel=ylabel, title_size=10, grid="both")
+    return finish(ax, title, xlabel=xlabel, ylabel=ylabel, title_size=TITLE, grid="both")
 
 
 def _two_and_five(value, _):
@@ -148,7 +148,7 @@ def scheduling_dashboard(result, label=None, axes=None, ttft_slo=None, tpot_slo=
         axes[2].step([s.start for s in r.steps], [s.num_waiting for s in r.steps], where="post",
                      color=f"C{i}", lw=1.2, label=k)
     axes[2].set_ylim(bottom=0)
-    finish(axes[2], "Queue length", xlabel="simulated time (s)", ylabel="requests waiting", title_size=10)
+    finish(axes[2], "Queue length", xlabel="simulated time (s)", ylabel="requests waiting", title_size=TITLE)
     axes[0].figure.tight_layout()
     return axes
 
@@ -189,8 +189,8 @@ def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
         axes[0].plot(conc, [by[sweep[c], "output_throughput"].predicted[name] for c in conc],
                      "--" if name == "roofline" else "-", color=f"C{i}", label=name)
     finish(axes[0], "RTX 4090, Mistral-7B, 256 in", xlabel="max concurrency", ylabel="output tokens/s",
-           title_size=10)
-    speed = [r for r in rows if r.metric in FIT_METRICS]
+           title_size=TITLE)
+    speed = [r for r in rows if r.metric in SPEED_METRICS]
     x = np.arange(len(speed))
     width = 0.8 / len(models)
     for i, name in enumerate(models):
