@@ -190,7 +190,7 @@ def build(build_dir: Path | str = ROOT / "_build", teacher: bool = False, pages:
         if unknown:
             raise ValueError(f"pages: not pages of this site: {sorted(unknown)}")
         groups = [Section(s.caption, tuple(p for p in s.pages if p in pages)) for s in groups]
-        groups = [s for s in groups if s.pages]
+    groups = [s for s in groups if s.pages]
     src = stage(build_dir, groups, root)
     html, doctrees = build_dir / "html", build_dir / "doctrees"
     for d in (html, doctrees):
@@ -221,6 +221,11 @@ class _Tee(io.TextIOBase):
         return len(s)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies inside it."""
+    return os.path.relpath(path) if Path.cwd() in path.parents else str(path)
+
+
 def main_build(args) -> int:
     try:
         html = build(args.build_dir, teacher=args.teacher, pages=args.pages, lab_url=args.lab_url)
@@ -228,5 +233,5 @@ def main_build(args) -> int:
         print("the site was not built: the warnings above are errors", file=sys.stderr)
         return 1
     print(f"built {html}{' (teacher: answers and the instructor guide included)' if args.teacher else ''}; "
-          f"view it: python -m http.server -d {os.path.relpath(html)}")
+          f"view it: python -m http.server -d {_shown(html)}")
     return 0

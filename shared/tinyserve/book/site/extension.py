@@ -185,6 +185,23 @@ class PageAdditions(SphinxTransform):
         return title.astext() if title is not None else ""
 
 
+# Sphinx's search shows each hit's text around the word, taken from the page's
+# [role=main], which in this theme also holds the article's buttons ("System Settings
+# 亮色 暗色") and the page's table of contents: drop those before it reads the text.
+SEARCH_SNIPPETS_JS = """
+document.addEventListener("DOMContentLoaded", () => {   // searchtools.js loads after this
+  if (typeof Search === "undefined" || !Search.htmlToText) return;
+  const pageText = Search.htmlToText;
+  Search.htmlToText = (html, anchor) => {
+    const page = new DOMParser().parseFromString(html, "text/html");
+    page.querySelectorAll(".bd-header-article, .bd-sidebar-secondary, .notebook-links")
+        .forEach((el) => el.remove());
+    return pageText(page.documentElement.outerHTML, anchor);
+  };
+});
+"""
+
+
 def setup(app):
     app.add_config_value("tinyserve_sections", [], "env")
     app.add_config_value("tinyserve_lab_url", "", "env")
@@ -192,4 +209,5 @@ def setup(app):
     app.add_config_value("tinyserve_root", "", "env")
     app.connect("source-read", on_source_read)
     app.add_transform(PageAdditions)
+    app.add_js_file(None, body=SEARCH_SNIPPETS_JS, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
