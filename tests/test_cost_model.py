@@ -138,11 +138,14 @@ def test_the_published_measurements_say_where_they_come_from():
     assert splits == {"calibration", "held-out"}
     for m in data["measurements"]:
         assert m["source"] in sources
-        hwm.get_hardware(m["hardware"]), hwm.MODELS[m["model"]]
+        fidelity.hardware_of(m), fidelity.model_of(m)        # a preset, or a spec with its source
+        assert m["client"] in {"http", "offline"}
         assert m["measured"] and all(v > 0 for v in m["measured"].values())
         assert m["engine"]["why"] and m["assumptions"]
         w = m["workload"]
-        if "input_lens" in w:
+        if "seeded_lengths" in w:
+            assert len(fidelity.workload(m)) == w["seeded_lengths"]["num_seqs"]
+        elif "input_lens" in w:
             assert len(w["input_lens"]) == len(w["output_lens"])
         else:
             assert w["num_prompts"] == len(fidelity.workload(m))
@@ -152,16 +155,14 @@ def test_the_published_measurements_say_where_they_come_from():
 
 
 def test_the_vllm_like_model_predicts_the_held_out_measurements():
+    # The bounds of the goal, on points the fit never saw (tests/test_fidelity.py checks
+    # every kind against fidelity.BOUNDS); the roofline misses them by far.
     rows = [m for m in fidelity.measurements("held-out") if m.get("engine_generation") is None]
     assert len(rows) >= 3
     results = fidelity.compare(("roofline", "vllm-like"), rows)
-    speed = [r for r in results if r.metric in fidelity.FIT_METRICS]
-    assert all(abs(r.speed_error("vllm-like")) < 0.20 for r in speed)  # the goal: within 20%
-    assert all(r.speed_error("roofline") > 0.25 for r in speed)        # the roofline: far too fast
-    ttft = {r.id: r for r in results if r.metric == "median_ttft"}
-    assert abs(ttft["rtx4090-mistral7b-c8"].error("vllm-like")) < 0.30
-    # At concurrency 32 the measured TTFT is ~5 engine steps: time spent outside the engine.
-    assert ttft["rtx4090-mistral7b-c32"].error("vllm-like") < -0.5
+    speed = [r for r in results if r.metric in fidelity.SPEED_METRICS]
+    assert all(abs(r.error("vllm-like")) <= 0.20 for r in speed)
+    assert sum(r.speed_error("roofline") > 0.25 for r in speed) > len(speed) / 2
 
 
 def test_a_speed_error_reads_latencies_as_inverse_speeds():
@@ -178,8 +179,9 @@ def test_vllm_like_is_the_fit_on_the_calibration_half():
     # up or down makes the calibration points fit worse.
     rows = fidelity.measurements("calibration")
     best = fidelity.fit_loss(VLLM_LIKE, rows)
-    assert best < 1e-3                                  # ~3% RMS error
-    for field, delta in [("step_overhead", 0.5e-3), ("gemm_efficiency", 0.05), ("interference", 0.15)]:
+    assert best < 0.01                                  # ~10% RMS error, TTFT included
+    for field, delta in [("step_overhead", 0.3e-3), ("weight_efficiency", 0.05),
+                         ("frontend_time", 1e-3), ("frontend_latency", 5e-3)]:
         for sign in (-1, 1):
             nudged = VLLM_LIKE.with_params(**{field: getattr(VLLM_LIKE, field) + sign * delta})
             assert fidelity.fit_loss(nudged, rows) > best, (field, sign)
@@ -196,9 +198,11 @@ def test_fit_recovers_a_known_cost_model_from_its_own_predictions():
                           "max_concurrency": concurrency},
              "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "num_kv_blocks": 3000,
                         "why": "test"},
-             "measured": {"output_throughput": 1.0}}
+             "client": "offline", "measured": {"output_throughput": 1.0}}
         m["measured"] = fidelity.predict(m, truth)
         rows.append(m)
-    fitted = fidelity.fit(rows, iterations=60)
+    # Offline runs have no front end: fit the step's terms only.
+    fitted = fidelity.fit(rows, iterations=60, fields=("step_overhead", "weight_efficiency",
+                                                        "gemm_efficiency", "interference"))
     assert fidelity.fit_loss(fitted, rows) < 1e-4               # its predictions are the truth's, to 1%
     assert fitted.gemm_efficiency == pytest.approx(0.5, rel=0.15)

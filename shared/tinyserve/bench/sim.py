@@ -171,60 +171,88 @@ def fidelity(preset: str = "cpu-bench", num_requests: int = 48, rate: float = 6.
 
 
 def setup_of(measurement: dict) -> str:
-    """One line: GPU, model, lengths, load."""
+    """One line: GPU, model, lengths, load, client."""
+    from tinyserve.sim.fidelity import hardware_of, model_of
     w = measurement["workload"]
-    if "input_lens" in w:
+    if "seeded_lengths" in w:
+        g = w["seeded_lengths"]
+        lengths = f"{g['num_seqs']} x {g['input_range'][0]}-{g['input_range'][1]}->{g['output_range'][0]}-{g['output_range'][1]} tok"
+    elif "input_lens" in w:
         lengths = f"{len(w['input_lens'])}-request trace"
     else:
         out = w.get("output_len") or f"~{w['mean_output_len']}"
         lengths = f"{w['num_prompts']} x {w['input_len']}->{out} tok"
-    load = f"C={w['max_concurrency']}" if "max_concurrency" in w else "all at t=0"
-    return f"{measurement['hardware']}, {measurement['model']}, {lengths}, {load}"
+    if "max_concurrency" in w:
+        load = f"C={w['max_concurrency']}"
+    elif "request_rate" in w:
+        load = f"{w['request_rate']:g} req/s"
+    else:
+        load = "all at t=0"
+    gpu = hardware_of(measurement).name.replace("GeForce-", "")
+    return f"{gpu}, {model_of(measurement).name}, {lengths}, {load}, {measurement['client']}"
 
 
 def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
-    """The simulator against published vLLM measurements: every metric, measured and
-    predicted by the roofline and by ``cost_model``; held-out errors summarized."""
+    """The simulator against published vLLM measurements: per source and point, every
+    metric the source printed (throughput, TPOT, TTFT), measured and predicted by the
+    roofline and by ``cost_model``, with the simulated mean running batch; then the
+    worst error of each kind on each split, against the bounds of ``fidelity.BOUNDS``."""
     from tinyserve.sim.cost_model import get_cost_model
-    from tinyserve.sim.fidelity import FIT_METRICS, compare, measurements
+    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, predict, worst
 
     model = get_cost_model(cost_model)
+    name = model.name
     by_id = {m["id"]: m for m in measurements()}
     rows = compare(("roofline", model))
-    name = model.name
+    running = {i: predict(m, model, extra=("mean_batch_size", "num_preemptions")) for i, m in by_id.items()}
     if verbose:
         print(f"Simulator vs published vLLM measurements (cost models: roofline, {name})")
         if hasattr(model, "step_overhead"):
-            print(f"  {name}: {model.step_overhead * 1e3:.2f} ms/step + {model.seq_overhead * 1e6:.1f} us/seq, "
-                  f"weights at {model.weight_efficiency:.0%} and KV at {model.kv_efficiency:.0%} of bandwidth, "
-                  f"GEMMs at {model.gemm_efficiency:.0%} of peak (half at {model.gemm_half_tokens:.0f} tokens), "
-                  f"interference {model.interference:.2f}")
-        print(f"  {'split':<13}{'source':<24}{'setup':<58}{'metric':<19}{'measured':>10}"
-              f"{'roofline':>10}{'err':>7}{name:>11}{'err':>7}")
+            print(f"  {name}: {model.step_overhead * 1e3:.2f} ms/step + {model.seq_overhead * 1e6:.1f} us/seq; "
+                  f"weights at {model.weight_efficiency:.0%} and KV at {model.kv_efficiency:.0%} of bandwidth; "
+                  f"GEMMs at {model.gemm_efficiency:.0%} of peak, interference {model.interference:.2f}; "
+                  f"front end {model.frontend_time * 1e3:.1f} ms/request serial + "
+                  f"{model.frontend_latency * 1e3:.1f} ms latency")
+        print(f"  {'split':<12}{'source':<26}{'point':<40}{'run':>5}{'pre':>5}  {'metric':<19}{'measured':>10}"
+              f"{'roofline':>10}{'err':>6}{name:>11}{'err':>6}")
+        last = None
         for r in rows:
-            print(f"  {r.split:<13}{r.source:<24}{setup_of(by_id[r.id]):<58}{r.metric:<19}{r.measured:>10.4g}"
-                  f"{r.predicted['roofline']:>10.4g}{100 * r.error('roofline'):>6.0f}%"
-                  f"{r.predicted[name]:>11.4g}{100 * r.error(name):>6.0f}%")
-    summary = {}
-    for split in ("calibration", "held-out"):
-        for kind, metrics in (("throughput", FIT_METRICS),
-                              ("median TTFT", ("median_ttft",))):
-            chosen = [r for r in rows if r.split == split and r.metric in metrics
-                      and by_id[r.id].get("engine_generation") is None]
-            if chosen:
-                summary[(split, kind)] = {c: max(abs(r.speed_error(c)) for r in chosen)
-                                          for c in ("roofline", name)}
+            point = r.id if r.id != last else ""
+            extra = running[r.id]
+            run = f"{extra['mean_batch_size']:>5.0f}{extra['num_preemptions']:>5d}" if point else " " * 10
+            if point:
+                print(f"  {'':<12}{'':<26}{setup_of(by_id[r.id])}")
+            print(f"  {r.split if point else '':<12}{r.source if point else '':<26}{point:<40}{run}  "
+                  f"{r.metric:<19}{r.measured:>10.4g}{r.predicted['roofline']:>10.4g}"
+                  f"{100 * r.error('roofline'):>5.0f}%{r.predicted[name]:>11.4g}{100 * r.error(name):>5.0f}%")
+            last = r.id
+        print("  (run: simulated mean running sequences per step; pre: simulated preemptions; "
+              "err: predicted / measured - 1)")
+    summary = {split: {c: worst(rows, c, split) for c in ("roofline", name)}
+               for split in ("calibration", "held-out")}
     if verbose:
-        print("  largest |error| on vLLM V1-era points (throughput: of the speed, i.e. output tok/s or "
-              "1 / latency; TTFT: of the time):")
-        for (split, kind), errors in summary.items():
-            print(f"    {split:<12}{kind:<13}roofline {100 * errors['roofline']:5.0f}%   "
-                  f"{name} {100 * errors[name]:5.0f}%")
-        old = [r for r in rows if by_id[r.id].get("engine_generation")]
-        for r in old:
-            print(f"    engine {by_id[r.id]['engine_generation']} ({r.id}, not in the goal): {r.metric} "
-                  f"roofline {100 * r.error('roofline'):+.0f}%, {name} {100 * r.error(name):+.0f}%")
-    return {"rows": rows, "summary": summary}
+        print("  worst error on vLLM V1-era points (throughput and TPOT: |predicted / measured - 1|; "
+              "TTFT: the ratio, either way):")
+        for split, by_model in summary.items():
+            for kind, bound in BOUNDS.items():
+                cells = []
+                for c in ("roofline", name):
+                    r = by_model[c].get(kind)
+                    if r is not None:
+                        value = miss(r, c)
+                        text = f"{value:.2f}x" if kind == "ttft" else f"{100 * value:.0f}%"
+                        cells.append(f"{c} {text:>6} ({r.id})")
+                if cells:
+                    goal = f"{bound:g}x" if kind == "ttft" else f"{100 * bound:.0f}%"
+                    print(f"    {split:<12}{kind:<11}goal {goal:>5}   " + "   ".join(cells))
+        sources = sorted({by_id[r.id]["source"] for r in rows if r.split == "held-out"
+                          and by_id[r.id].get("engine_generation") is None})
+        print(f"  held-out sources (V1 era): {len(sources)}: {', '.join(sources)}")
+        for r in rows:
+            if by_id[r.id].get("engine_generation"):
+                print(f"    engine {by_id[r.id]['engine_generation']} ({r.id}, not in the goal): {r.metric} "
+                      f"roofline {100 * r.error('roofline'):+.0f}%, {name} {100 * r.error(name):+.0f}%")
+    return {"rows": rows, "summary": summary, "running": running}
 
 
 def speed(num_requests: int = 10_000, rate: float = 16.0, verbose: bool = True) -> dict:

@@ -1,12 +1,18 @@
 """The simulator against real engines: published vLLM measurements, replayed.
 
-``data/published_vllm.json`` holds measurements of vLLM serving 7-8B models on
-one GPU, each with its source, what the source states, the workload (lengths,
-concurrency or rate) and the scheduler knobs vLLM ran with. ``predict`` puts
-one through ``simulate`` with a cost model and returns the same metrics;
-``compare`` does it for all of them, and ``fit`` calibrates an
-``EngineCostModel`` on the ``"calibration"`` points, so the ``"held-out"`` ones
-test it on measurements it never saw.
+``data/published_vllm.json`` holds measurements of vLLM serving 0.6B to 8B models
+on one GPU, each with its source, what the source states, the workload (lengths,
+concurrency or rate), how the requests came in (``"client"``: ``"http"`` through
+``vllm serve``, or ``"offline"`` through ``LLM.generate``) and the scheduler knobs
+vLLM ran with. ``predict`` puts one through ``simulate`` with a cost model and
+returns the same metrics; ``compare`` does it for all of them, and ``fit``
+calibrates an ``EngineCostModel`` on the ``"calibration"`` points, so the
+``"held-out"`` ones test it on measurements it never saw. The split is by
+source: no source has points on both sides (``splits_by_source`` checks it).
+
+A measurement names its GPU and model by preset (``tinyserve.hardware``) or, for
+one the presets lack, spells the spec out (a ``HardwareSpec`` or ``ModelSpec``'s
+fields, with its ``source``).
 
     from tinyserve.sim.fidelity import compare
     for row in compare(): print(row.id, row.metric, row.measured, row.predicted)
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -23,19 +30,22 @@ from typing import Sequence
 
 import numpy as np
 
-from tinyserve.metrics import summarize
+from tinyserve.hardware import MODELS, HardwareSpec, ModelSpec, get_hardware, lookup
 from tinyserve.sim.cost_model import EngineCostModel, get_cost_model
 from tinyserve.sim.simulator import simulate
-from tinyserve.workload import RequestSpec
+from tinyserve.workload import RequestSpec, arrival_times
 
-# The metrics fit() matches: how fast the engine turns out tokens. TTFT is left out on
-# purpose: a client's TTFT also holds time outside the engine (HTTP, tokenizing, the
-# API server's own queue), which no step cost model prices; it is reported, not fitted.
-FIT_METRICS = ("output_throughput", "mean_tpot", "mean_e2e")
-LATENCY_METRICS = ("mean_tpot", "mean_e2e")          # how fast, as a time per token or request
-# The EngineCostModel fields that fit() adjusts (kv_efficiency follows weight_efficiency).
-FITTED = ("step_overhead", "seq_overhead", "weight_efficiency", "gemm_efficiency",
-          "gemm_half_tokens", "interference")
+# How fast the engine turns out tokens, as a rate or as a time per token or request.
+SPEED_METRICS = ("output_throughput", "request_throughput", "mean_tpot", "mean_e2e")
+LATENCY_METRICS = ("mean_tpot", "mean_e2e")          # speeds given as times: inverted for speed_error
+TTFT_METRICS = ("mean_ttft", "median_ttft")
+# The metrics fit() matches. TTFT is in: the front end (frontend_time) is what a
+# client's TTFT holds beyond the engine's own queue and prefill.
+FIT_METRICS = SPEED_METRICS + TTFT_METRICS
+# The EngineCostModel fields that fit() adjusts (gemm_half_tokens stays 0: no
+# measurement here separates it from gemm_efficiency).
+FITTED = ("step_overhead", "seq_overhead", "weight_efficiency", "kv_efficiency",
+          "gemm_efficiency", "interference", "frontend_time", "frontend_latency")
 
 
 @cache
@@ -53,25 +63,75 @@ def measurements(split: str | None = None) -> list[dict]:
     return [m for m in rows if split is None or m["split"] == split]
 
 
-def workload(measurement: dict) -> list[RequestSpec]:
-    """The requests of a measurement, all queued at t=0 (the sources used rate inf).
+def hardware_of(measurement: dict) -> HardwareSpec:
+    """The measurement's GPU: a preset name, or a spec spelled out in the data file."""
+    hw = measurement["hardware"]
+    return get_hardware(hw) if isinstance(hw, str) else HardwareSpec(**hw)
 
-    A recorded trace is replayed as is; fixed lengths are repeated; outputs that
+
+def model_of(measurement: dict) -> ModelSpec:
+    """The measurement's model: a preset name, or a spec spelled out in the data file."""
+    model = measurement["model"]
+    if isinstance(model, str):
+        return lookup(MODELS, model, "model")
+    return ModelSpec(**{k: v for k, v in model.items() if k != "source"})
+
+
+def python_random_lengths(seed: int, num_seqs: int, input_range: Sequence[int],
+                          output_range: Sequence[int], token_id_max: int) -> tuple[list[int], list[int]]:
+    """Prompt and output lengths as nano-vllm's ``bench.py`` draws them with Python's
+    ``random``: per prompt a length, then that many token ids (which advance the
+    generator too); then every output length."""
+    rng = random.Random(seed)
+    inputs = []
+    for _ in range(num_seqs):
+        n = rng.randint(*input_range)
+        for _ in range(n):
+            rng.randint(0, token_id_max)
+        inputs.append(n)
+    outputs = [rng.randint(*output_range) for _ in range(num_seqs)]
+    return inputs, outputs
+
+
+def workload(measurement: dict) -> list[RequestSpec]:
+    """The requests of a measurement: queued at t=0 (rate inf, or an offline batch),
+    or Poisson arrivals at ``request_rate`` (seeded here: the source's own arrival
+    times are not published).
+
+    A recorded trace is replayed as is; seeded random lengths are drawn again
+    exactly (``seeded_lengths``); fixed lengths are repeated; outputs that
     stopped early at EOS (only their mean is known) are spread evenly between
     ``2 x mean - max`` and ``max``, so the mean is the source's and the requests
     do not all finish in the same step.
     """
     w = measurement["workload"]
-    if "input_lens" in w:
-        return [RequestSpec(0.0, n, max(1, o)) for n, o in zip(w["input_lens"], w["output_lens"])]
-    n = w["num_prompts"]
-    if "output_len" in w:
-        outputs = [w["output_len"]] * n
+    if "seeded_lengths" in w:
+        g = w["seeded_lengths"]
+        inputs, outputs = python_random_lengths(g["seed"], g["num_seqs"], g["input_range"],
+                                                g["output_range"], g["token_id_max"])
+    elif "input_lens" in w:
+        inputs, outputs = w["input_lens"], [max(1, o) for o in w["output_lens"]]
     else:
-        high, mean = w["max_output_len"], w["mean_output_len"]
-        low = 2 * mean - high
-        outputs = [low + (i * 37) % (high - low + 1) for i in range(n)]   # a fixed permutation
-    return [RequestSpec(0.0, w["input_len"], o) for o in outputs]
+        n = w["num_prompts"]
+        if "output_len" in w:
+            outputs = [w["output_len"]] * n
+        else:
+            high, mean = w["max_output_len"], w["mean_output_len"]
+            low = 2 * mean - high
+            outputs = [low + (i * 37) % (high - low + 1) for i in range(n)]   # a fixed permutation
+        inputs = [w["input_len"]] * n
+    rate = w.get("request_rate", math.inf)
+    arrivals = arrival_times(len(inputs), rate, 1.0, np.random.default_rng(w.get("arrival_seed", 0)))
+    return [RequestSpec(float(t), n, o) for t, n, o in zip(arrivals, inputs, outputs)]
+
+
+def splits_by_source(rows: Sequence[dict] | None = None) -> dict[str, str]:
+    """Each source's split; a ValueError if a source has points in both."""
+    out: dict[str, str] = {}
+    for m in measurements() if rows is None else rows:
+        if out.setdefault(m["source"], m["split"]) != m["split"]:
+            raise ValueError(f"source {m['source']!r} has points in both splits")
+    return out
 
 
 def engine_knobs(measurement: dict) -> dict:
@@ -81,14 +141,19 @@ def engine_knobs(measurement: dict) -> dict:
     return knobs
 
 
-def predict(measurement: dict, cost_model="roofline") -> dict[str, float]:
-    """The measurement's metrics as the simulator predicts them with ``cost_model``."""
-    specs = workload(measurement)
-    result = simulate(specs, measurement["hardware"], measurement["model"], measurement["dtype"],
-                      max_concurrency=measurement["workload"].get("max_concurrency"),
-                      cost_model=cost_model, **engine_knobs(measurement))
-    summary = summarize(result.metrics)
-    return {metric: summary[metric] for metric in measurement["measured"]}
+def predict(measurement: dict, cost_model="roofline", extra: Sequence[str] = ()) -> dict[str, float]:
+    """The measurement's metrics (and the summary keys in ``extra``) as the simulator
+    predicts them with ``cost_model``. Requests that came over HTTP go through the
+    cost model's front end (``frontend_time``; the roofline has none)."""
+    model = get_cost_model(cost_model)
+    http = measurement["client"] == "http"
+    frontend = {name: getattr(model, name, 0.0) if http else 0.0
+                for name in ("frontend_time", "frontend_latency")}
+    result = simulate(workload(measurement), hardware_of(measurement), model_of(measurement),
+                      measurement["dtype"], max_concurrency=measurement["workload"].get("max_concurrency"),
+                      cost_model=model, **frontend, **engine_knobs(measurement))
+    summary = result.summary()
+    return {metric: summary[metric] for metric in (*measurement["measured"], *extra)}
 
 
 @dataclass(frozen=True)
@@ -112,6 +177,34 @@ class Comparison:
         return self.error(cost_model)
 
 
+# How each metric is judged: its kind, and the bound the issue sets on held-out points.
+METRIC_KINDS = {"output_throughput": "throughput", "request_throughput": "throughput",
+                "mean_e2e": "throughput", "mean_tpot": "tpot",
+                "mean_ttft": "ttft", "median_ttft": "ttft"}
+BOUNDS = {"throughput": 0.15, "tpot": 0.20, "ttft": 2.0}   # |error| for the first two; a ratio for TTFT
+
+
+def miss(row: "Comparison", cost_model: str) -> float:
+    """How far ``cost_model`` is off on ``row``, in the units of ``BOUNDS``: |predicted /
+    measured - 1| for throughputs and TPOT, max(ratio, 1 / ratio) for TTFT."""
+    ratio = row.predicted[cost_model] / row.measured
+    return max(ratio, 1 / ratio) if METRIC_KINDS[row.metric] == "ttft" else abs(ratio - 1)
+
+
+def worst(rows: Sequence["Comparison"], cost_model: str, split: str = "held-out") -> dict[str, "Comparison"]:
+    """Per metric kind, the ``split`` row (of a vLLM V1-era point) that ``cost_model``
+    misses most; ``miss(row, cost_model)`` is by how much."""
+    by_id = {m["id"]: m for m in measurements()}
+    out: dict[str, Comparison] = {}
+    for r in rows:
+        if r.split != split or by_id[r.id].get("engine_generation") is not None:
+            continue
+        kind = METRIC_KINDS[r.metric]
+        if kind not in out or miss(r, cost_model) > miss(out[kind], cost_model):
+            out[kind] = r
+    return out
+
+
 def compare(cost_models: Sequence = ("roofline", "vllm-like"),
             rows: Sequence[dict] | None = None) -> list[Comparison]:
     """Every metric of every measurement, measured and predicted by each cost model."""
@@ -132,36 +225,37 @@ def fit_loss(model: EngineCostModel, rows: Sequence[dict]) -> float:
     return float(np.mean(np.square(errors)))
 
 
-def _to_params(x: np.ndarray) -> dict[str, float]:
-    # Unconstrained coordinates -> parameters: overheads and M_half >= 0 (log scale),
-    # efficiencies and interference in (0, 1) (logistic).
-    sig = 1 / (1 + np.exp(-x))
-    return {"step_overhead": 1e-3 * math.exp(x[0]), "seq_overhead": 1e-5 * math.exp(x[1]),
-            "weight_efficiency": float(sig[2]), "kv_efficiency": float(sig[2]),
-            "gemm_efficiency": float(sig[3]), "gemm_half_tokens": 64 * math.exp(x[4]),
-            "interference": float(sig[5])}
+# Unconstrained coordinates -> parameters: overheads >= 0 (log scale around a typical
+# size), efficiencies and interference in (0, 1) (logistic).
+_LOG_SCALES = {"step_overhead": 1e-3, "seq_overhead": 1e-5, "frontend_time": 1e-3,
+               "frontend_latency": 1e-2}
 
 
-def _from_params(model: EngineCostModel) -> np.ndarray:
+def _to_params(x: np.ndarray, fields: Sequence[str]) -> dict[str, float]:
+    return {name: (_LOG_SCALES[name] * math.exp(v) if name in _LOG_SCALES else float(1 / (1 + np.exp(-v))))
+            for name, v in zip(fields, x)}
+
+
+def _from_params(model: EngineCostModel, fields: Sequence[str]) -> np.ndarray:
     logit = lambda p: math.log(p / (1 - p))
     clip = lambda p: min(max(p, 1e-3), 1 - 1e-3)
-    return np.array([math.log(max(model.step_overhead, 1e-6) / 1e-3),
-                     math.log(max(model.seq_overhead, 1e-8) / 1e-5),
-                     logit(clip(model.weight_efficiency)), logit(clip(model.gemm_efficiency)),
-                     math.log(max(model.gemm_half_tokens, 1e-3) / 64), logit(clip(model.interference))])
+    return np.array([math.log(max(getattr(model, name), 1e-3 * _LOG_SCALES[name]) / _LOG_SCALES[name])
+                     if name in _LOG_SCALES else logit(clip(getattr(model, name))) for name in fields])
 
 
 def fit(rows: Sequence[dict] | None = None, start: EngineCostModel | None = None,
-        iterations: int = 300, verbose: bool = False) -> EngineCostModel:
+        iterations: int = 300, verbose: bool = False,
+        fields: Sequence[str] = FITTED) -> EngineCostModel:
     """The ``EngineCostModel`` that best predicts ``rows`` (default: the calibration
-    split), by Nelder-Mead on the mean squared log error."""
+    split), by Nelder-Mead on the mean squared log error over ``fields`` (the
+    others stay at ``start``'s values)."""
     rows = measurements("calibration") if rows is None else list(rows)
     start = start or EngineCostModel("vllm-like", step_overhead=1e-3, seq_overhead=1e-5,
-                                     weight_efficiency=0.8, gemm_efficiency=0.7,
-                                     gemm_half_tokens=64, interference=0.5)
-    loss = lambda x: fit_loss(start.with_params(**_to_params(x)), rows)
-    x = nelder_mead(loss, _from_params(start), iterations, verbose=verbose)
-    return start.with_params(**_to_params(x))
+                                     weight_efficiency=0.8, kv_efficiency=0.8, gemm_efficiency=0.7,
+                                     interference=0.5, frontend_time=1e-3, frontend_latency=1e-2)
+    loss = lambda x: fit_loss(start.with_params(**_to_params(x, fields)), rows)
+    x = nelder_mead(loss, _from_params(start, fields), iterations, verbose=verbose)
+    return start.with_params(**_to_params(x, fields))
 
 
 def nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 0.5,

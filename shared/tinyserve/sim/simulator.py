@@ -19,6 +19,14 @@ requests of a 7B model on an A100 take seconds, not hours.
 --max-concurrency N`` does: at most N requests are in flight, and a request
 whose arrival time has come waits for a free slot; its TTFT counts from the
 moment it gets one.
+
+``frontend_time`` puts an API server in front of the engine: every request first
+takes that many seconds of its one thread (HTTP, tokenizing, handing the request
+to the engine), one request after another in arrival order, and only then joins
+the engine's queue; ``frontend_latency`` more seconds pass on its way there that
+do not hold the thread (the hop to the engine process; requests overlap in it).
+Its TTFT still counts from its arrival at the server, so a burst of requests
+waits in this queue too, as behind ``vllm serve``.
 """
 
 from __future__ import annotations
@@ -201,8 +209,12 @@ class SimEngine:
             raise ValueError(f"request {request_id}: {e}") from None
 
     def add(self, spec: RequestSpec, request_id: str, token_ids: list[int] | None = None,
-            arrival: float | None = None, output_len: int | None = None) -> Request:
-        """Queue a request (``token_ids`` default to the workload's deterministic prompt)."""
+            arrival: float | None = None, output_len: int | None = None,
+            ready: float | None = None) -> Request:
+        """Queue a request (``token_ids`` default to the workload's deterministic prompt).
+
+        ``arrival`` is when the client sent it (its TTFT counts from there); ``ready``,
+        when it reaches the engine (later, behind an API server; default: ``arrival``)."""
         output_len = spec.output_len if output_len is None else output_len
         request = Request(request_id,
                           prompt_token_ids(spec, int(request_id)) if token_ids is None else token_ids,
@@ -212,7 +224,8 @@ class SimEngine:
                           output_len_hint=output_len if self.output_len_hint else None)
         request.queued_time = request.arrival_time
         if not self.scheduler.has_unfinished_requests():                # an idle replica waits
-            self.virtual_clock.now = max(self.virtual_clock.now, request.arrival_time)
+            self.virtual_clock.now = max(self.virtual_clock.now,
+                                         request.arrival_time if ready is None else ready)
         self.core.add_request(request)
         self.requests[request_id] = request
         return request
@@ -255,6 +268,7 @@ class SimEngine:
 def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A100_SXM_80GB",
              model: ModelSpec | str = LLAMA_7B, dtype: str = "fp16", *,
              max_time: float | None = None, max_concurrency: int | None = None,
+             frontend_time: float = 0.0, frontend_latency: float = 0.0,
              **engine_kwargs) -> SimResult:
     """Serve ``requests`` on simulated ``hardware`` with the real scheduler.
 
@@ -270,15 +284,23 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
     overloaded system never drains); requests not finished by then count as
     ``unfinished``. ``max_concurrency`` keeps at most that many requests in
     flight (a closed loop, as ``vllm bench serve --max-concurrency``).
+    ``frontend_time``: seconds of serial API-server work per request before it
+    reaches the engine, and ``frontend_latency`` seconds more on its way there
+    that overlap across requests (see the module doc; 0, the default, is an
+    offline engine).
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
+    for name, value in (("frontend_time", frontend_time), ("frontend_latency", frontend_latency)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
     hardware, model = resolve_hardware_and_model(hardware, model)
     engine = SimEngine(hardware, model, dtype, **engine_kwargs)
     for index, spec in enumerate(requests):
         engine.check_fits(spec, str(index))
     # The times at which a client slot frees up; an open loop has one per request.
     free_slots = [0.0] * (max_concurrency or len(requests))
+    frontend_free = 0.0                  # when the API server's thread is next idle
     for index, spec in sorted(enumerate(requests), key=lambda pair: pair[1].arrival):
         if max_time is not None and spec.arrival >= max_time:
             break
@@ -290,6 +312,12 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
         arrival = max(spec.arrival, heapq.heappop(free_slots))
         if max_time is not None and arrival >= max_time:
             break
-        engine.add(spec, str(index), arrival=arrival)
+        ready = arrival
+        if frontend_time or frontend_latency:
+            frontend_free = max(frontend_free, arrival) + frontend_time
+            ready = frontend_free + frontend_latency
+            for done in engine.advance_to(ready):
+                heapq.heappush(free_slots, done.finished_time)
+        engine.add(spec, str(index), arrival=arrival, ready=ready)
     engine.drain(max_time)
     return engine.result(requests)
