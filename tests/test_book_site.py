@@ -1,8 +1,8 @@
 """The website (`make book`): what a reader of the built HTML gets.
 
 By default the tests build a small site with the same configuration as
-`make book` (the README and notebook 04: math, figures, the interactive
-calculator, the crossover); `make book-check` runs them over the full build
+`make book`: the README, notebook 04 (math, figures, the interactive calculator)
+and lab 03, which link to each other; `make book-check` runs them over the full build
 instead (TINYSERVE_BOOK_HTML=_build/html). Every build treats warnings as errors.
 
 The browser tests drive the system's chromium through chromium-driver (Debian's
@@ -31,6 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NB04 = "chapters/ch05_engine_and_scheduling/04_batch_size_crossover.ipynb"
 NB04_HTML = NB04.replace(".ipynb", ".html")
+LAB03 = "labs/lab03_crossover.ipynb"
 BOOK_HTML = os.environ.get("TINYSERVE_BOOK_HTML")
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 
@@ -49,7 +50,7 @@ def site(tmp_path_factory) -> Path:
         return html
     build_dir = tmp_path_factory.mktemp("book")
     run = subprocess.run([sys.executable, "-m", "tinyserve.book.site", "build", "--build-dir", str(build_dir),
-                          "--pages", NB04], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "--pages", NB04, LAB03], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return build_dir / "html"
 
@@ -65,6 +66,29 @@ def test_every_internal_link_and_image_resolves_and_nothing_loads_from_a_cdn(sit
     from tinyserve.book.site.check import problems
 
     assert problems(site) == []
+
+
+def test_every_link_between_pages_is_a_link_to_the_page(site):
+    """Each Markdown link of a built page to another built page (a notebook, a lab, the
+    README) is an <a> to that page's HTML, never plain text or the .ipynb file."""
+    from tinyserve.book.site.build import markdown_of, relative_links
+
+    checked = 0
+    for html_path in [Path("README.html"), *map(Path, built_pages(site))]:
+        source = next((ROOT / html_path.with_suffix(s) for s in (".md", ".ipynb")
+                       if (ROOT / html_path.with_suffix(s)).exists()), None)
+        if source is None:                      # the generated claims page
+            continue
+        hrefs = set(re.findall(r'href="([^"#]+)', page(site, html_path.as_posix())))
+        for target in relative_links(markdown_of(source)):
+            linked = Path(os.path.normpath(html_path.parent / target))
+            if linked.with_suffix(".html") == html_path:   # a page naming itself: href="#"
+                continue
+            if linked.suffix in (".md", ".ipynb") and (site / linked.with_suffix(".html")).exists():
+                want = os.path.relpath(linked.with_suffix(".html"), html_path.parent)
+                assert want in hrefs, f"{html_path}: the link to {target} is not a link to {want}"
+                checked += 1
+    assert checked >= 2       # 04 -> lab 03 and back, in the small build
 
 
 def test_the_search_index_finds_the_chapters_chinese_terms(site):

@@ -2,8 +2,9 @@
 
 The site is built from the committed, executed notebooks as they are (nothing is
 executed). Sphinx reads a staging folder, ``BUILD/src``, that mirrors the
-repository's layout with symlinks (so every relative link resolves exactly as it
-does on disk and in ``make lab``) plus two generated files: the claims page
+repository's layout with copies of the pages and of the files they link to (so
+every relative link resolves exactly as it does on disk and in ``make lab``), plus
+two generated files: the claims page
 (from ``tinyserve.book.claims.CHAPTER``) and jieba's word list for the Chinese
 search index (the README's glossary). The HTML lands in ``BUILD/html``.
 
@@ -15,20 +16,21 @@ teacher's build must never stay in a reader's site.
 from __future__ import annotations
 
 import io
+import json
 import os
+import posixpath
 import re
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parents[4]
 CHAPTER_DIR = "chapters/ch05_engine_and_scheduling"
 CLAIMS_PAGE = "claims.md"
 # Where "在 JupyterLab 中打开" points: `make lab` serves the repository root there.
 LAB_URL = "http://127.0.0.1:8888/lab/tree/"
-# Linked from the pages but not pages themselves (downloads, the files a page cites).
-LINKED_DIRS = ("shared", "tests")
 
 
 @dataclass(frozen=True)
@@ -96,21 +98,54 @@ def glossary_terms(readme: str) -> list[str]:
 # ------------------------------------------------------------------ staging
 
 
+# [text](target), ![alt](target) and href=/src= in a page's Markdown; code spans are not links.
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|(?:href|src)=[\"']([^\"']+)[\"']")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+
+
+def markdown_of(path: Path) -> str:
+    """A page's Markdown: the file itself, or a notebook's markdown cells."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix != ".ipynb":
+        return text
+    return "\n\n".join("".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+                       for c in json.loads(text)["cells"] if c["cell_type"] == "markdown")
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The relative link targets of a Markdown text (no URLs, no in-page anchors, no fragments)."""
+    found = []
+    for m in LINK.finditer(CODE.sub("", markdown)):
+        target = (m.group(1) or m.group(2)).split("#", 1)[0]
+        if target and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):
+            found.append(target)
+    return found
+
+
 def stage(build_dir: Path, groups: list[Section], root: Path = ROOT) -> Path:
-    """``build_dir/src``: symlinks to the repository's pages and linked files, the claims
-    page and jieba's word list. Returns the source folder."""
+    """``build_dir/src``: copies of the pages and of the files they link to (at their
+    repository paths), the claims page, and jieba's word list beside it. Returns the folder.
+
+    Copies, not symlinks: Sphinx resolves symlinks when it follows a link, and a page
+    reached through one is no longer found as a page."""
     src = build_dir / "src"
     if src.is_symlink() or src.is_file():
         src.unlink()
     elif src.exists():
         shutil.rmtree(src)
     src.mkdir(parents=True)
-    pages = ["README.md", *(p for s in groups for p in s.pages)]
-    tops = {p.split("/", 1)[0] for p in pages if p != CLAIMS_PAGE} | set(LINKED_DIRS)
-    for top in sorted(tops):
-        if (root / top).exists():
-            (src / top).symlink_to(root / top, target_is_directory=(root / top).is_dir())
-    if CLAIMS_PAGE in pages:
+    pages = ["README.md", *(p for s in groups for p in s.pages if p != CLAIMS_PAGE)]
+    everything = {"README.md", *(p for s in sections(root, teacher=True) for p in s.pages)}
+    files = set(pages)
+    for page in pages:
+        for target in relative_links(markdown_of(root / page)):
+            path = posixpath.normpath(posixpath.join(posixpath.dirname(page), unquote(target)))
+            if path not in everything and not path.startswith("..") and (root / path).is_file():
+                files.add(path)          # a file a page links to (a download), not a page
+    for path in sorted(files):
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / path, src / path)
+    if any(CLAIMS_PAGE in s.pages for s in groups):
         (src / CLAIMS_PAGE).write_text(claims_page(root=root), encoding="utf-8")
     words = glossary_terms((root / "README.md").read_text(encoding="utf-8"))
     (build_dir / "search_words.txt").write_text("".join(f"{w} 1000\n" for w in words), encoding="utf-8")
@@ -164,6 +199,7 @@ def config(build_dir: Path, groups: list[Section], teacher: bool, lab_url: str, 
         "tinyserve_lab_url": lab_url,
         "tinyserve_teacher": teacher,
         "tinyserve_root": str(root),
+        "tinyserve_all_pages": sorted({"README.md", *(p for s in sections(root, teacher=True) for p in s.pages)}),
     }
 
 

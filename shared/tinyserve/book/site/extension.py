@@ -6,7 +6,7 @@
 - an interactive explorer's cell (``widgets.*(...)``, stored without widget
   state) shows a note that it is live in JupyterLab, beside its static figure;
 - every output figure gets alt text: its section's title and what the plotting
-  function draws (its docstring's first sentence);
+  function draws (its docstring's first sentence, read from ``book/plots/``);
 - a link to a page of the repository that this build leaves out (a teacher's
   page in a reader's build, any page in a partial build) becomes plain text
   instead of a broken reference or a download of the source file.
@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import inspect
 import posixpath
 import re
 from pathlib import Path
@@ -43,7 +42,7 @@ def on_source_read(app, docname, source):
         source[0] += toctree_source(app.config.tinyserve_sections)
 
 
-def repo_path(env, refdoc: str, target: str) -> str:
+def repo_path(refdoc: str, target: str) -> str:
     """``target`` (relative to the page ``refdoc``) as a path from the site's root."""
     target = target.split("#", 1)[0]
     return posixpath.normpath(posixpath.join(posixpath.dirname(refdoc), target))
@@ -52,19 +51,29 @@ def repo_path(env, refdoc: str, target: str) -> str:
 def first_sentence(doc: str) -> str:
     text = " ".join(doc.strip().split("\n\n", 1)[0].split())
     text = text.replace("``", "")
-    return re.split(r"(?<=[.;:])\s", text, maxsplit=1)[0].rstrip(".;:")
+    return re.split(r"(?<=[.;])\s", text, maxsplit=1)[0].rstrip(".;:")
 
 
 def figure_descriptions() -> dict[str, str]:
     """What each plotting function of ``tinyserve.book.plots`` draws (its docstring's first
-    sentence), by function name; helpers of ``plots.common`` are left out."""
-    from tinyserve.book import plots
+    sentence), by function name; the helpers of ``plots/common.py`` are left out. Read from
+    the source, so the site builds without importing matplotlib or torch."""
+    import ast
 
     found = {}
-    for name, fn in inspect.getmembers(plots, inspect.isfunction):
-        module = getattr(fn, "__module__", "")
-        if module.startswith("tinyserve.book.plots.") and not module.endswith(".common") and fn.__doc__:
-            found[name] = first_sentence(fn.__doc__)
+    for path in sorted((Path(__file__).resolve().parents[1] / "plots").glob("*.py")):
+        if path.name in ("__init__.py", "common.py"):
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if not doc or node.name.startswith("_"):
+                continue
+            sentence = first_sentence(doc)
+            args = {a.arg for a in node.args.args + node.args.kwonlyargs}
+            for arg in args:                              # what the figure shows, not how to call it
+                sentence = sentence.split(f": {arg} ", 1)[0]
+            if sentence.split(":", 1)[0] not in args:
+                found[node.name] = sentence
     return found
 
 
@@ -87,28 +96,26 @@ class PageAdditions(SphinxTransform):
     # -- links to pages this build leaves out
 
     def unlink_pages_not_built(self, docname):
-        env, srcdir = self.env, Path(self.env.srcdir)
+        """Plain text for a link to a page of the site that this build leaves out, or to a
+        folder of the repository; any other unresolvable link is left to warn."""
+        env = self.env
+        repo = Path(env.config.tinyserve_root)
+        all_pages = set(env.config.tinyserve_all_pages)
         for node in list(self.document.findall(addnodes.pending_xref)) + \
                 list(self.document.findall(addnodes.download_reference)):
             if node.get("reftype") != "myst":
                 continue
             if node.get("refdomain") == "doc":
-                target = node["reftarget"]
-                if target in env.found_docs:
+                if node["reftarget"] in env.found_docs:
                     continue
-                candidates = [target + s for s in PAGE_SUFFIXES]
+                paths = [node["reftarget"] + s for s in PAGE_SUFFIXES]
             else:
-                path = repo_path(env, docname, node["reftarget"])
-                if path.endswith(PAGE_SUFFIXES) and path.rsplit(".", 1)[0] in env.found_docs:
-                    continue
-                candidates = [path]
-            repo = Path(env.config.tinyserve_root)
-            left_out = [c for c in candidates if c.endswith(PAGE_SUFFIXES) and (repo / c).is_file()]
-            a_folder = [c for c in candidates if (repo / c).is_dir() or (srcdir / c).is_dir()]
+                paths = [repo_path(docname, node["reftarget"])]
+            left_out = any(p in all_pages and p.rsplit(".", 1)[0] not in env.found_docs for p in paths)
+            a_folder = any(not p.startswith("..") and (repo / p).is_dir() for p in paths)
             if left_out or a_folder:
-                text = nodes.inline("", "", *[child.deepcopy() for child in node.children],
-                                    classes=["not-in-site"])
-                node.replace_self(text)
+                node.replace_self(nodes.inline("", "", *[child.deepcopy() for child in node.children],
+                                               classes=["not-in-site"]))
 
     # -- 在 JupyterLab 中打开 / 下载 notebook
 
@@ -207,6 +214,7 @@ def setup(app):
     app.add_config_value("tinyserve_lab_url", "", "env")
     app.add_config_value("tinyserve_teacher", False, "env")
     app.add_config_value("tinyserve_root", "", "env")
+    app.add_config_value("tinyserve_all_pages", [], "env")
     app.connect("source-read", on_source_read)
     app.add_transform(PageAdditions)
     app.add_js_file(None, body=SEARCH_SNIPPETS_JS, priority=900)
