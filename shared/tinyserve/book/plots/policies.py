@@ -173,14 +173,14 @@ def simulator_vs_engine(rows, ax=None, title="Simulator vs real engine"):
     return ax
 
 
-def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
+def cost_models_vs_published(rows, sweep, axes=None, band=0.15):
     """Left: output throughput of a concurrency sweep (``sweep`` maps concurrency to a
     measurement id), measured and predicted by each cost model. Right: predicted /
-    measured for every throughput-like metric (rows from ``sim.fidelity.compare``),
-    the ``band`` shaded. Latency metrics are inverted so that > 1 always means
-    "predicted faster than measured"."""
+    measured for every throughput-like metric (rows from ``sim.fidelity.compare``; one
+    throughput per measurement), the ``band`` shaded, held-out points starred. Latency
+    metrics are inverted so that > 1 always means "predicted faster than measured"."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.6]})
+        _, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.6]})
     models = list(rows[0].predicted)
     by = {(r.id, r.metric): r for r in rows}
     conc = sorted(sweep)
@@ -190,7 +190,9 @@ def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
                      "--" if name == "roofline" else "-", color=f"C{i}", label=name)
     finish(axes[0], "RTX 4090, Mistral-7B, 256 in", xlabel="max concurrency", ylabel="output tokens/s",
            title_size=TITLE)
-    speed = [r for r in rows if r.metric in SPEED_METRICS]
+    # A measurement's request rate says what its token rate says: one of the two is enough.
+    speed = [r for r in rows if r.metric in SPEED_METRICS
+             and not (r.metric == "request_throughput" and (r.id, "output_throughput") in by)]
     x = np.arange(len(speed))
     width = 0.8 / len(models)
     for i, name in enumerate(models):
@@ -198,11 +200,21 @@ def cost_models_vs_published(rows, sweep, axes=None, band=0.2):
         axes[1].bar(x + (i - (len(models) - 1) / 2) * width, ratio, width, color=f"C{i}", label=name)
     axes[1].axhspan(1 - band, 1 + band, color="grey", alpha=0.15, label=f"within {band:.0%}")
     axes[1].axhline(1, color="k", lw=0.8)
-    labels = [f"{r.id.replace('-mistral7b', '').replace('-llama3-8b', '')}\n({r.split})" for r in speed]
-    axes[1].set_xticks(x, labels, fontsize=SMALL, rotation=30, ha="right")
+    axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[1].yaxis.set_minor_formatter(NullFormatter())
+    axes[1].set_yticks([0.5, 0.75, 1, 1.5, 2, 3, 4, 6])
+    short = {"output_throughput": "tok/s", "request_throughput": "req/s", "mean_tpot": "TPOT", "mean_e2e": "e2e"}
+    labels = []
+    for r in speed:
+        name = r.id
+        for part in ("-mistral7b", "-llama3-8b", "-qwen3-0.6b", "-sharegpt320", "-offline-256", "-laptop"):
+            name = name.replace(part, "")
+        labels.append(f"{'* ' if r.split == 'held-out' else ''}{name} {short[r.metric]}")
+    axes[1].set_xticks(x, labels, fontsize=SMALL, rotation=40, ha="right")
     axes[1].set_ylabel("predicted speed / measured")
-    axes[1].set_title("Every throughput-like point", fontsize=TITLE)
-    axes[1].legend(fontsize=SMALL, loc="upper left")
+    axes[1].set_title("Every throughput-like point (* held out)", fontsize=TITLE)
+    axes[1].legend(fontsize=SMALL, loc="upper right")
     axes[1].grid(alpha=0.3, axis="y")
     axes[0].figure.tight_layout()
     return axes
