@@ -55,6 +55,11 @@ def sections(root: Path = ROOT, teacher: bool = False) -> list[Section]:
     return found
 
 
+def all_pages(root: Path = ROOT) -> set[str]:
+    """Every page the site can have (a teacher's build), by repository path."""
+    return {"README.md", *(p for s in sections(root, teacher=True) for p in s.pages)}
+
+
 def docname(page: str) -> str:
     return page.rsplit(".", 1)[0]
 
@@ -135,7 +140,7 @@ def stage(build_dir: Path, groups: list[Section], root: Path = ROOT) -> Path:
         shutil.rmtree(src)
     src.mkdir(parents=True)
     pages = ["README.md", *(p for s in groups for p in s.pages if p != CLAIMS_PAGE)]
-    everything = {"README.md", *(p for s in sections(root, teacher=True) for p in s.pages)}
+    everything = all_pages(root)
     files = set(pages)
     for page in pages:
         for target in relative_links(markdown_of(root / page)):
@@ -152,7 +157,7 @@ def stage(build_dir: Path, groups: list[Section], root: Path = ROOT) -> Path:
     return src
 
 
-def config(build_dir: Path, groups: list[Section], teacher: bool, lab_url: str, root: Path = ROOT) -> dict:
+def config(build_dir: Path, groups: list[Section], lab_url: str, root: Path = ROOT) -> dict:
     """The Sphinx configuration (there is no conf.py: this dict is all of it)."""
     pages = ["README.md", *(p for s in groups for p in s.pages)]
     return {
@@ -197,9 +202,8 @@ def config(build_dir: Path, groups: list[Section], teacher: bool, lab_url: str, 
         "copybutton_exclude": ".linenos, .gp, .go",
         "tinyserve_sections": [(s.caption, [docname(p) for p in s.pages]) for s in groups],
         "tinyserve_lab_url": lab_url,
-        "tinyserve_teacher": teacher,
         "tinyserve_root": str(root),
-        "tinyserve_all_pages": sorted({"README.md", *(p for s in sections(root, teacher=True) for p in s.pages)}),
+        "tinyserve_all_pages": sorted(all_pages(root)),
     }
 
 
@@ -233,7 +237,7 @@ def build(build_dir: Path | str = ROOT / "_build", teacher: bool = False, pages:
         shutil.rmtree(d, ignore_errors=True)
     warnings = io.StringIO()
     app = Sphinx(str(src), None, str(html), str(doctrees), "html",
-                 confoverrides=config(build_dir, groups, teacher, lab_url, root),
+                 confoverrides=config(build_dir, groups, lab_url, root),
                  status=None if quiet else sys.stdout, warning=_Tee(warnings, sys.stderr),
                  freshenv=True, warningiserror=True, keep_going=True)
     app.build()

@@ -91,7 +91,7 @@ class PageAdditions(SphinxTransform):
         if source.suffix == ".ipynb":
             self.add_notebook_links(docname, source.name)
             self.note_widgets()
-            self.add_alt_text(docname)
+            self.add_alt_text()
 
     # -- links to pages this build leaves out
 
@@ -150,7 +150,7 @@ class PageAdditions(SphinxTransform):
 
     # -- alt text of output figures
 
-    def add_alt_text(self, docname):
+    def add_alt_text(self):
         descriptions = None
         for cell in self.cells():
             source, output = self.cell_parts(cell)
@@ -212,7 +212,6 @@ document.addEventListener("DOMContentLoaded", () => {   // searchtools.js loads 
 def setup(app):
     app.add_config_value("tinyserve_sections", [], "env")
     app.add_config_value("tinyserve_lab_url", "", "env")
-    app.add_config_value("tinyserve_teacher", False, "env")
     app.add_config_value("tinyserve_root", "", "env")
     app.add_config_value("tinyserve_all_pages", [], "env")
     app.connect("source-read", on_source_read)
