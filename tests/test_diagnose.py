@@ -223,7 +223,7 @@ def test_overload_with_inter_token_spikes_also_points_at_prefill_chunking():
 
 # ---- what a live server does not export (unknown) -------------------------------------
 
-LOAD = {"max_queue_length": 40.0, "queue_growth_rate": 2.0, "arrival_rate": 9.0, "request_throughput": 5.0}
+LOAD = {"max_queue_length": 40.0, "queue_growth_rate": 0.0, "arrival_rate": 9.0, "request_throughput": 9.0}
 
 
 def test_without_a_percentile_the_stage_is_unknown_and_says_why():
@@ -234,6 +234,9 @@ def test_without_a_percentile_the_stage_is_unknown_and_says_why():
     assert d.evidence["p99_tpot (s) vs tpot_slo"] == (0.01, TPOT_SLO)
     assert d.evidence["arrival_rate"] == 9.0
     assert f"p99_ttft: unknown ({why})" in str(d)
+    # Without TTFT, a queue that takes up arrivals the server does not finish is still overload.
+    backlog = LOAD | {"queue_growth_rate": 2.0, "request_throughput": 5.0}
+    assert diagnose({"p99_tpot": 0.01} | backlog, TTFT_SLO, TPOT_SLO, unknown={"p99_ttft": why}).stage == "overload"
     # Missing without a reason is still an error: a summary of ours never lacks it.
     with pytest.raises(ValueError, match="missing key 'p99_ttft'"):
         diagnose({"p99_tpot": 0.01}, TTFT_SLO, TPOT_SLO)

@@ -67,10 +67,12 @@ def package_of(path: Path) -> str:
 
 
 def reexports() -> dict[str, str]:
-    """Names ``tinyserve/__init__.py`` imports from a module: ``LLM`` -> ``tinyserve.engine``."""
+    """Names ``tinyserve/__init__.py`` re-exports, each with its module: ``LLM`` ->
+    ``tinyserve.engine`` (its ``EXPORTS`` table, imported on first use)."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    return {alias.asname or alias.name: node.module for node in tree.body
-            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    table = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "EXPORTS" for t in node.targets))
+    return {name: module for name, (module, _) in ast.literal_eval(table).items()}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -154,21 +154,20 @@ def _diagnose_args(p: argparse.ArgumentParser) -> None:
                    help="share of prompt tokens you expect to be a reusable prefix (0-1)")
     p.add_argument("--routing", default=None, help="the router's policy in front of the server, if any")
     p.add_argument("--model", default=None, help="the model_name label, when the server has several")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per scrape")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds for each whole scrape: connect, headers and body (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
 def _diagnose(args) -> None:
-    from pathlib import Path
-    from tinyserve.serving.live_diagnose import crossover_of, diagnose_texts, diagnose_url
+    from tinyserve.serving.live_diagnose import crossover_of, diagnose_files, diagnose_url
     found = crossover_of(args.hardware, args.model_spec, args.model_dir, args.dtype)
     crossover, note = (args.crossover, "given") if args.crossover is not None else (found or (None, None))
     knobs = dict(ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, crossover=crossover, crossover_note=note,
                  max_num_seqs=args.max_num_seqs, prefix_share=args.prefix_share, routing=args.routing,
                  stat=args.stat)
     if args.once:
-        before, after = (Path(f).read_text() for f in args.once)
-        live = diagnose_texts(before, after, args.window, model=args.model, **knobs)
+        live = diagnose_files(*args.once, args.window, model=args.model, **knobs)
     else:
         live = diagnose_url(args.url, args.window, model=args.model, timeout=args.timeout, **knobs)
     print(live.to_json() if args.json else live)

@@ -4,7 +4,11 @@
    against ``tpot_slo`` (seconds). TTFT slow alone → queueing or prefill (told
    apart by ``mean_queue_time / mean_ttft``); TPOT slow alone → decode steps
    (stalled by prefills, too large a batch, or the bandwidth floor); both →
-   overload (queue length; add capacity or rate-limit).
+   overload (queue length; add capacity or rate-limit). When the latencies hold
+   (or nothing finished to measure them) but requests arrive faster than they
+   finish and the queue grows (``arrival_rate``, ``request_throughput``,
+   ``queue_growth_rate``), that is overload too, only just starting or a wedged
+   server: a queued request is in no latency histogram until it is served.
 2. Batch size: ``mean_batch_size`` against ``crossover`` and ``max_num_seqs``.
 3. Prefix cache: ``prefix_cache_hit_rate`` against ``prefix_share`` (the share of
    prompt tokens you expect to be a reusable prefix) and the ``routing`` policy.
@@ -36,6 +40,8 @@ ITL_SPIKE = 6.0          # p99 ITL this many times the median ITL: decodes are b
 BATCH_CAPPED = 0.75      # mean batch >= this share of max_num_seqs: the cap is binding
 SMALL_BATCH = 0.5        # a capped batch below this share of the crossover amortises poorly
 CACHE_MISS = 0.5         # hit rate below this share of the expected prefix share: reuse is lost
+ARRIVAL_EXCESS = 1.2     # arrivals at least this many times completions ...
+QUEUE_ABSORBS = 0.1      # ... and the queue takes at least this share of arrivals: a backlog builds
 
 MODEL_LEVERS = ("model-level levers, only now (模型层面的手段，最后才看): quantization (量化), "
                 "speculative decoding (投机解码), tensor/pipeline parallelism (并行) — see the later chapters")
@@ -43,10 +49,12 @@ REST = ["batch size vs crossover (批大小对照交叉点)", "prefix-cache hit 
 STEP_2_3_KEYS = ("mean_batch_size", "crossover", "max_num_seqs", "prefix_cache_hit_rate", "prefix_share")
 CHUNK_NOTE = ("; inter-token gaps spike too, so also cap the prefill per step (enable_chunked_prefill, "
               "a smaller max_num_batched_tokens) (出字间隔也有尖峰：顺便打开分块预填充、减小 token 预算)")
-OPTIONAL_KEYS = ("mean_ttft", "mean_queue_time", "max_queue_length", "queue_growth_rate", "arrival_rate",
+OPTIONAL_KEYS = ("mean_ttft", "mean_queue_time", "queue_length_at_start", "queue_length_at_end",
+                 "max_queue_length", "queue_growth_rate", "arrival_rate",
                  "request_throughput", "median_itl", "p99_itl", "prefix_cache_hit_rate",
                  "prefill_token_share", "mean_step_time", "mean_kv_usage", "num_preemptions")
-LOAD_KEYS = ("max_queue_length", "queue_growth_rate", "arrival_rate", "request_throughput")
+LOAD_KEYS = ("queue_length_at_start", "queue_length_at_end", "max_queue_length", "queue_growth_rate",
+             "arrival_rate", "request_throughput")
 MEMORY_KEYS = ("mean_kv_usage", "num_preemptions")   # a full KV cache preempts and caps the batch
 
 
@@ -228,6 +236,15 @@ class Facts:
     def add_spike(self) -> None:
         self.evidence[f"p99_itl / median_itl (stalls at >= {ITL_SPIKE:g})"] = self.spike
 
+    @property
+    def backlog(self) -> bool:
+        """Arrivals outpace completions and the queue takes up the difference."""
+        arrival, served, growth = (self.opt[k] for k in ("arrival_rate", "request_throughput",
+                                                         "queue_growth_rate"))
+        if arrival is None or served is None or growth is None or not arrival < float("inf"):
+            return False
+        return growth > 0 and arrival > ARRIVAL_EXCESS * served and growth >= QUEUE_ABSORBS * arrival
+
 
 # ---- the steps -------------------------------------------------------------------------
 
@@ -244,6 +261,30 @@ def overload(f: Facts) -> Diagnosis:
     return Diagnosis("overload", "首字和出字一起超标，队列在变长：请求来得比处理得快（过载）"
                      "(TTFT and TPOT both miss and the queue grows: requests arrive faster than they "
                      "are served).", action, f.evidence, REST, f.unknown)
+
+
+def backlogged(f: Facts) -> Diagnosis:
+    """Latency holds or is unknown, yet the queue grows: overload before it shows in the
+    histograms (a queued request is observed only once served), or nothing is served."""
+    f.add(LOAD_KEYS)
+    f.evidence[f"rule: arrival_rate > {ARRIVAL_EXCESS:g} x request_throughput and queue_growth_rate >= "
+               f"{QUEUE_ABSORBS:.0%} of arrival_rate"] = "holds"
+    f.add(MEMORY_KEYS)
+    f.add_batch()
+    f.add_cache()
+    if f.opt["request_throughput"] == 0:
+        return Diagnosis("overload", "窗口里没有一个请求完成，队列却在变长：服务器卡住了，或严重过载"
+                         "(nothing finished in the window while the queue grew: the server is wedged or "
+                         "badly overloaded).",
+                         "check the server first (a stuck step, a dead worker, its logs); once it serves "
+                         "again, add capacity or rate-limit admissions (先查服务器是否卡死，再加容量或限流)",
+                         f.evidence, REST, f.unknown)
+    action = f.free_capacity or ("add capacity (more replicas/GPUs) or rate-limit admissions "
+                                 "(加容量：更多副本/卡；或者限流)")
+    return Diagnosis("overload", "请求来得比完成得快，队列在变长：过载刚开始，排队的请求还没进入延迟直方图"
+                     "(requests arrive faster than they finish and the queue grows: overload is starting, "
+                     "and queued requests are not in the latency histograms yet).",
+                     action, f.evidence, REST, f.unknown)
 
 
 def slow_first_token(f: Facts) -> Diagnosis:
@@ -304,6 +345,13 @@ def slow_decode(f: Facts) -> Diagnosis:
                          "if long prompts stall decodes); if TPOT does not move, the steps are at the bandwidth "
                          "floor: " + MODEL_LEVERS + " (先试分块预填充；TPOT 不动，才是带宽下限)",
                          f.evidence, REST[1:], f.unknown)
+    if f.batch is None or f.crossover is None:
+        return Diagnosis("decode", "出字慢、首字正常，没有停顿；不知道交叉点，分不清每步受带宽还是算力限制"
+                         "(TPOT is slow, TTFT is fine and decodes are not stalled; without the crossover, "
+                         "a bandwidth-bound step cannot be told from a compute-bound one).",
+                         "give the GPU and the model (--hardware, --model-spec) to place the batch against "
+                         "the crossover; meanwhile fewer/shorter contexts per step (lower max_num_seqs) "
+                         "(给出 GPU 与模型以对照交叉点)", f.evidence, REST[1:], f.unknown)
     return Diagnosis("decode", "出字慢、首字正常，批在交叉点以下：每步被显存带宽（读权重和 KV）卡住"
                      "(TPOT is slow, TTFT is fine, the batch is below the crossover: each step is bound "
                      "by memory bandwidth, reading weights and KV).",
@@ -327,8 +375,8 @@ def batch_and_cache(f: Facts) -> Diagnosis:
                              f.fix_cache, f.evidence, [MODEL_LEVERS], f.unknown)
     elif f.hit is not None:
         f.evidence["prefix_cache_hit_rate"] = f.hit
-    # Steps 2 and 3 could only look at what was known: say so.
-    partial = any(key in f.unknown for key in STEP_2_3_KEYS)
+    # Steps 1 to 3 could only look at what was known: say so.
+    partial = any(key in f.unknown for key in STEP_2_3_KEYS + tuple(f"{s}_tpot" for s in STATS))
     zh, en = ("就已知的指标而言，", " as far as the exported metrics show") if partial else ("", "")
     return Diagnosis("healthy", f"{zh}延迟达标，批大小与缓存都没有明显短板：这时才轮到模型层面的手段"
                      f"(SLOs hold and batch and cache show no gap{en}: only now do model-level levers apply).",
@@ -376,19 +424,26 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: floa
     check_knobs(max_num_seqs, prefix_share, routing)
     unknown = check_unknown(unknown)
     slos = {f"{stat}_ttft": ttft_slo, f"{stat}_tpot": tpot_slo}
+    # A {stat} of TPOT the source cannot tell, with its mean known: judged by the mean
+    # (a mean that misses is slow; one that holds says nothing of the tail, and "healthy"
+    # then says it saw only part).
+    if f"{stat}_tpot" not in summary and f"{stat}_tpot" in unknown and "mean_tpot" in summary:
+        slos = {f"{stat}_ttft": ttft_slo, "mean_tpot": tpot_slo}
     missing = [key for key in slos if key not in summary and key in unknown]
     values = {key: number(summary, key) if key not in missing else float("nan") for key in slos}
     ttft, tpot = values.values()
     if ttft != ttft and not missing:
         raise ValueError(f"summary: {stat}_ttft is NaN (no completed requests to diagnose)")
+    def label(key):
+        judged_by_mean = key == "mean_tpot" and stat != "mean"
+        return f"{key} (s) vs {key.split('_')[1]}_slo" + (f" ({stat}_tpot unknown)" if judged_by_mean else "")
     facts = Facts(ttft, tpot, number(summary, "mean_batch_size", required=False), crossover,
                   max_num_seqs, prefix_share, routing,
                   opt={k: number(summary, k, required=False) for k in OPTIONAL_KEYS},
-                  evidence={f"{key} (s) vs {key.split('_')[1]}_slo": (values[key], slo)
-                            for key, slo in slos.items() if key not in missing},
+                  evidence={label(key): (values[key], slo) for key, slo in slos.items() if key not in missing},
                   unknown=unknown)
     if missing:
-        return undetermined(facts, missing)
+        return backlogged(facts) if facts.backlog else undetermined(facts, missing)
     ttft_slow, tpot_slow = ttft > ttft_slo, tpot == tpot and tpot > tpot_slo
     if ttft_slow and tpot_slow:
         return overload(facts)
@@ -396,4 +451,6 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: floa
         return slow_first_token(facts)
     if tpot_slow:
         return slow_decode(facts)
+    if facts.backlog:
+        return backlogged(facts)
     return batch_and_cache(facts)

@@ -19,14 +19,19 @@ Where the names come from (read with the search tool, not copied):
   the ``gpu_*`` names "deprecated in 0.9"); and the v0.12 line as stored in the search
   index ("Deprecated in 0.11 - Renamed as vllm:inter_token_latency_seconds ... remove in
   0.13.0"), which adds ``inter_token_latency_seconds`` and the per-request
-  ``request_time_per_output_token_seconds``. ``docs/design/metrics.md`` at
+  ``request_time_per_output_token_seconds``; later lines add reuse through a KV connector
+  (``external_prefix_cache_{queries,hits}``, ``prompt_tokens_by_source`` with ``source`` =
+  local_compute / local_cache_hit / external_kv_transfer, and ``prompt_tokens_cached``,
+  local + external). ``docs/design/metrics.md`` at
   f7e3a0879e633f9924d477b85a3775cb1ae2a2e5 lists the v1 set with types.
 * SGLang, ``python/sglang/srt/metrics/collector.py``: commit 93d04878cfb9b08645fae7b11bd340ee33b34acf
   (``num_running_reqs``, ``num_queue_reqs``, ``token_usage``, ``cache_hit_rate``,
   ``queue_time_seconds``, and in ``TokenizerMetricsCollector`` the token and request
   counters, ``cached_tokens_total`` and the TTFT / inter-token / e2e histograms) and
   commit 00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538 (adds the ``num_retracted_requests_total``
-  counter: SGLang calls a preemption a retraction). ``docs/references/production_metrics.md``
+  counter: SGLang calls a preemption a retraction); ``TokenizerMetricsCollector``'s
+  ``num_aborted_requests_total`` counts aborts apart from ``num_requests_total``.
+  ``docs/references/production_metrics.md``
   at 40ef116f011cf1599811af1089ddf00971092bcf shows the older ``time_per_output_token_seconds``,
   whose count matches the generated tokens: it too was per token.
 * tinyserve: ``tinyserve.serving.app`` (``/metrics``, the ``tinyserve:`` prefix, a
@@ -48,10 +53,15 @@ ROLES = {
     "prefix_hit_rate": ("gauge", "prefix-cache hit-rate gauge"),
     "finished": ("counter", "finished-requests counter"),
     "rejected": ("counter", "rejected-requests counter"),
+    "aborted": ("counter", "aborted-requests counter counted apart from the finished ones"),
     "prompt_tokens": ("counter", "prompt-token counter"),
     "generation_tokens": ("counter", "generated-token counter"),
     "prefix_queries": ("counter", "prefix-cache lookup counter"),
     "prefix_hits": ("counter", "prefix-cache hit counter"),
+    "cached_prompt_tokens": ("counter", "counter of prompt tokens served from any cache (local + KV connector)"),
+    "prompt_by_source": ("counter", "prompt-token counter by source (computed, local hit, KV transfer)"),
+    "external_queries": ("counter", "KV-connector (external) prefix-cache lookup counter"),
+    "external_hits": ("counter", "KV-connector (external) prefix-cache hit counter"),
     "preemptions": ("counter", "preemption counter"),
     "ttft": ("histogram", "TTFT histogram"),
     "tpot": ("histogram", "per-request TPOT histogram"),
@@ -120,6 +130,12 @@ VLLM = Dialect("vllm", "vllm:", {
     "prefix_hits": names("vllm:prefix_cache_hits_total",
                          ("vllm:gpu_prefix_cache_hits_total", "vLLM < 0.10 name; v0.8 counted blocks")),
     "prefix_hit_rate": names(("vllm:gpu_prefix_cache_hit_rate", "vLLM v0 engine gauge")),
+    # Reuse through a KV connector (LMCache, NIXL...) as well as the local prefix cache.
+    "cached_prompt_tokens": names(("vllm:prompt_tokens_cached_total", "local + external (KV connector)")),
+    "prompt_by_source": names(("vllm:prompt_tokens_by_source_total",
+                               "source = local_compute | local_cache_hit | external_kv_transfer")),
+    "external_queries": names(("vllm:external_prefix_cache_queries_total", "KV connector")),
+    "external_hits": names(("vllm:external_prefix_cache_hits_total", "KV connector")),
     "preemptions": names("vllm:num_preemptions_total"),
     "ttft": names("vllm:time_to_first_token_seconds"),
     "tpot": names(("vllm:request_time_per_output_token_seconds", "per request, vLLM >= 0.11")),
@@ -135,6 +151,9 @@ SGLANG = Dialect("sglang", "sglang:", {
     "waiting": names("sglang:num_queue_reqs"),
     "kv_usage": names(("sglang:token_usage", "share of KV-cache token slots in use")),
     "finished": names("sglang:num_requests_total"),
+    # The tokenizer manager counts an abort (a client that hung up) here, and a request
+    # aborted while waiting never reaches num_requests_total.
+    "aborted": names(("sglang:num_aborted_requests_total", "aborts, counted apart from num_requests_total")),
     # Prompt tokens of finished requests are what the radix cache was asked for.
     "prefix_queries": names(("sglang:prompt_tokens_total", "prompt tokens: what the radix cache is asked")),
     "prefix_hits": names("sglang:cached_tokens_total"),

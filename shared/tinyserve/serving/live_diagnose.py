@@ -8,19 +8,27 @@ The window between the scrapes becomes the summary that ``tinyserve.diagnose``
 reads, and the diagnosis is that same function, the one notebook 08 teaches:
 
 * ``request_throughput``: finished requests / window; ``arrival_rate``: finished
-  (+ rejected) + the change in requests held (running + waiting), / window;
-* ``max_queue_length``, ``queue_growth_rate``: the waiting gauge at the two
-  scrapes, the larger and the change per second; ``mean_batch_size`` and
+  (+ rejected, + SGLang's aborted) + the change in requests held (running +
+  waiting; an engine that restarted lost what it held), / window;
+* ``queue_length_at_start``, ``queue_length_at_end``, ``max_queue_length``,
+  ``queue_growth_rate``: the waiting gauge at the two scrapes, the larger and the
+  change per second (a queue that grows while arrivals outpace completions is
+  overload, whatever the latency of the requests that did finish); ``mean_batch_size`` and
   ``mean_kv_usage``: the running and KV-usage gauges, averaged over the two;
 * ``{mean,median,p99}_{ttft,tpot,itl,e2e}`` and ``mean_queue_time``: the window's
   histogram observations (mean = sum / count, quantiles from the buckets);
-* ``prefix_cache_hit_rate``: prefix-cache hits / lookups in the window;
+* ``prefix_cache_hit_rate``: the share of prompt tokens served from a cache in
+  the window, local or through a KV connector (vLLM's ``prompt_tokens_cached``,
+  else its ``prompt_tokens_by_source``, else local + external hits / lookups);
   ``num_preemptions``: preemptions in the window.
 
 What the server does not export stays unknown (``LiveDiagnosis.unknown``), and
 the step that needed it says so. One substitution is made, and named: an engine
-without a per-request TPOT histogram (SGLang, vLLM < 0.11) has TPOT read from
-its inter-token histogram, the per-token gaps that TPOT averages per request.
+without a per-request TPOT histogram (SGLang, vLLM < 0.11) has its mean TPOT read
+from the inter-token histogram (the mean gap is decode time / decode tokens: the
+token-weighted mean TPOT), while its median and p99 stay unknown, since a
+quantile of the gaps is not a quantile of the per-request TPOT; step 1 then
+compares mean with mean, so the same traffic gets the same verdict on every engine.
 The crossover (step 2) needs the GPU and the model, which ``/metrics`` does not
 tell: from ``crossover_of(hardware=..., model_spec=...)`` or ``model_dir``,
 else that step is skipped and says so.
@@ -33,14 +41,14 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinyserve.diagnose import STATS, Diagnosis, diagnose, format_value
 from tinyserve.hardware import MODELS, ModelSpec, crossover_batch, get_hardware, lookup
 from tinyserve.serving.client import run_benchmark
 from tinyserve.serving.dialects import Name
-from tinyserve.serving.scrape import Window, fetch_metrics, parse_metrics
+from tinyserve.serving.scrape import Window, fetch_metrics, parse_metrics, read_scrape
 
 QUANTILES = {"mean": None, "median": 0.5, "p99": 0.99}
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -61,6 +69,7 @@ class LiveDiagnosis:
     crossover: str          # how the crossover was obtained, or why it was skipped
     diagnosis: Diagnosis
     url: str | None = None
+    notes: list = field(default_factory=list)     # what the reader must know (restarts)
 
     @property
     def unknown(self) -> dict:
@@ -74,26 +83,31 @@ class LiveDiagnosis:
         lines += [f"  {role:<18}{source}" for role, source in self.sources.items()]
         lines.append("over the window:")
         lines += [f"  {key:<22}{format_value(value)}" for key, value in self.summary.items()]
-        lines += [f"crossover: {self.crossover}", "", str(self.diagnosis)]
+        lines.append(f"crossover: {self.crossover}")
+        lines += [f"note: {note}" for note in self.notes]
+        lines += ["", str(self.diagnosis)]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         d = self.diagnosis
         return {"engine": self.engine, "url": self.url, "model": self.model, "seconds": self.seconds,
                 "sources": self.sources, "summary": plain(self.summary), "crossover": self.crossover,
+                "notes": self.notes,
                 "diagnosis": {"stage": d.stage, "finding": d.finding, "action": d.action,
                               "evidence": plain(d.evidence), "next": d.next, "unknown": d.unknown}}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False, indent=2)
+        return json.dumps(self.to_dict(), ensure_ascii=False, indent=2, allow_nan=False)
 
 
 def plain(values: dict) -> dict:
-    """JSON-ready: tuples as lists, NaN as null."""
+    """JSON-ready: tuples as lists, NaN and infinities as null (JSON has neither)."""
     def one(v):
-        if isinstance(v, tuple):
+        if isinstance(v, (tuple, list)):
             return [one(x) for x in v]
-        return None if isinstance(v, float) and math.isnan(v) else v
+        if isinstance(v, dict):
+            return plain(v)
+        return None if isinstance(v, float) and not math.isfinite(v) else v
     return {k: one(v) for k, v in values.items()}
 
 
@@ -102,6 +116,7 @@ def plain(values: dict) -> dict:
 def load_summary(w: Window, s: dict, unknown: dict) -> None:
     """Arrivals, completions, the queue, the batch, the KV cache and preemptions."""
     finished, rejected = w.delta("finished"), w.delta("rejected") or 0.0
+    aborted = w.delta("aborted") or 0.0
     running, waiting = w.gauge("running"), w.gauge("waiting")
     if finished is None:
         unknown["request_throughput"] = unknown["arrival_rate"] = w.missing("finished")
@@ -110,12 +125,15 @@ def load_summary(w: Window, s: dict, unknown: dict) -> None:
         s["request_throughput"] = finished / w.seconds
         if running is None or waiting is None:
             unknown["arrival_rate"] = w.missing("running" if running is None else "waiting")
-        else:
-            held = running[1] + waiting[1] - running[0] - waiting[0]
-            s["arrival_rate"] = (finished + rejected + held) / w.seconds
+        else:       # held at the start by an engine that restarted: lost, not served
+            held_before = sum(w.gauge(role, surviving=True)[0] for role in ("running", "waiting"))
+            held = running[1] + waiting[1] - held_before
+            s["arrival_rate"] = (finished + rejected + aborted + held) / w.seconds
     if waiting is None:
-        unknown["max_queue_length"] = unknown["queue_growth_rate"] = w.missing("waiting")
+        for key in ("queue_length_at_start", "queue_length_at_end", "max_queue_length", "queue_growth_rate"):
+            unknown[key] = w.missing("waiting")
     else:
+        s["queue_length_at_start"], s["queue_length_at_end"] = waiting
         s["max_queue_length"] = max(waiting)
         s["queue_growth_rate"] = (waiting[1] - waiting[0]) / w.seconds
     for key, role in (("mean_batch_size", "running"), ("mean_kv_usage", "kv_usage")):
@@ -134,8 +152,36 @@ def load_summary(w: Window, s: dict, unknown: dict) -> None:
         s["output_throughput"] = generated / w.seconds
 
 
+def reuse_summary(w: Window, s: dict) -> bool:
+    """vLLM's reuse across local and KV-connector caches, when it exports it: the share
+    of prompt tokens that were not computed. False when it does not."""
+    cached, prompts = w.delta("cached_prompt_tokens"), w.delta("prompt_tokens")
+    reused = lambda labels: labels.get("source") in ("local_cache_hit", "external_kv_transfer")
+    if cached is None or not prompts:
+        cached, prompts = w.delta("prompt_by_source", reused), w.delta("prompt_by_source")
+        w.found.pop("cached_prompt_tokens", None)
+    else:
+        w.found.pop("prompt_by_source", None)
+    queries, hits = w.delta("external_queries"), w.delta("external_hits")
+    if queries and hits is not None:
+        s["external_prefix_cache_hit_rate"] = hits / queries
+    if cached is None or not prompts:
+        w.found.pop("prompt_by_source", None)
+        if queries is None or hits is None:
+            return False
+        local_queries, local_hits = w.delta("prefix_queries"), w.delta("prefix_hits")
+        if not local_queries or local_hits is None:
+            return False
+        cached, prompts = local_hits + hits, local_queries       # external lookups follow local misses
+    s["prefix_cache_hit_rate"] = cached / prompts
+    return True
+
+
 def cache_summary(w: Window, s: dict, unknown: dict) -> None:
-    """Prefix-cache hits / lookups over the window; a hit-rate gauge if no counters."""
+    """Prefix-cache hits / lookups over the window (local and KV-connector reuse where
+    the engine tells both); a hit-rate gauge if no counters."""
+    if reuse_summary(w, s):
+        return
     queries, hits = w.delta("prefix_queries"), w.delta("prefix_hits")
     if queries is not None and hits is not None:
         prompts = w.delta("prompt_tokens")
@@ -177,14 +223,18 @@ def latency_summary(w: Window, s: dict, unknown: dict) -> None:
 
 
 def stand_in_tpot(w: Window, s: dict, unknown: dict) -> None:
-    """No per-request TPOT histogram: read TPOT from the per-token gaps, and say so."""
-    if "tpot" in w.found or "itl" not in w.found or "p99_itl" in unknown:
+    """No per-request TPOT histogram: the mean TPOT from the per-token gaps (mean with
+    mean), the median and p99 unknown, and say so."""
+    if "tpot" in w.found or "itl" not in w.found or "mean_itl" in unknown:
         return
-    for stat in STATS:
-        s[f"{stat}_tpot"] = s[f"{stat}_itl"]
-        unknown.pop(f"{stat}_tpot", None)
+    s["mean_tpot"] = s["mean_itl"]
+    unknown.pop("mean_tpot", None)
+    for stat in STATS[1:]:
+        unknown[f"{stat}_tpot"] = (f"{w.dialect.engine} exports per-token gaps ({w.found['itl'].metric}), not "
+                                   f"per-request TPOT; a {stat} of gaps is not a {stat} of TPOT")
     w.found["tpot"] = Name(f"stand-in: {w.found['itl'].metric}",
-                           f"per-token gaps; {w.dialect.engine} exports no per-request TPOT histogram")
+                           f"mean only: the mean gap is the token-weighted mean TPOT; {w.dialect.engine} "
+                           f"exports no per-request TPOT histogram")
 
 
 def window_summary(w: Window) -> tuple[dict, dict]:
@@ -235,13 +285,19 @@ def diagnose_window(w: Window, ttft_slo: float, tpot_slo: float, *, crossover: f
                  prefix_share=prefix_share, routing=routing, stat=stat, unknown=unknown)
     note = SKIPPED_CROSSOVER if crossover is None else f"{crossover:.4g} ({crossover_note or 'given'})"
     return LiveDiagnosis(w.dialect.engine, w.seconds, w.model, {r: str(n) for r, n in w.found.items()},
-                         summary, note, d, url)
+                         summary, note, d, url, list(w.notes))
 
 
 def diagnose_texts(before: str, after: str, seconds: float, model: str | None = None,
-                   **knobs) -> LiveDiagnosis:
-    """Two saved scrapes (Prometheus text), ``seconds`` apart."""
-    return diagnose_window(Window(parse_metrics(before), parse_metrics(after), seconds, model), **knobs)
+                   sources: tuple = ("the first scrape", "the second scrape"), **knobs) -> LiveDiagnosis:
+    """Two saved scrapes (Prometheus text), ``seconds`` apart; ``sources`` name them in errors."""
+    first, second = (parse_metrics(text, source) for text, source in zip((before, after), sources))
+    return diagnose_window(Window(first, second, seconds, model), **knobs)
+
+
+def diagnose_files(before, after, seconds: float, model: str | None = None, **knobs) -> LiveDiagnosis:
+    """Two scrapes saved to files (``tinyserve diagnose --once FILE1 FILE2``)."""
+    return diagnose_window(Window(read_scrape(before), read_scrape(after), seconds, model), **knobs)
 
 
 def diagnose_url(url: str, window: float = 60.0, *, model: str | None = None, timeout: float = 10.0,
