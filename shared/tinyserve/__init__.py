@@ -23,4 +23,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list:
-    return sorted(list(globals()) + __all__)
+    return sorted(set(globals()) | set(__all__))

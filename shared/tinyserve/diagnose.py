@@ -248,12 +248,14 @@ class Facts:
 
 # ---- the steps -------------------------------------------------------------------------
 
+ADD_CAPACITY = "add capacity (more replicas/GPUs) or rate-limit admissions (加容量：更多副本/卡；或者限流)"
+
+
 def overload(f: Facts) -> Diagnosis:
     f.add(LOAD_KEYS + MEMORY_KEYS)
     f.add_batch()
     f.add_cache()
-    action = f.free_capacity or ("add capacity (more replicas/GPUs) or rate-limit admissions "
-                                 "(加容量：更多副本/卡；或者限流)")
+    action = f.free_capacity or ADD_CAPACITY
     if f.spike is not None:
         f.add_spike()
         if f.spike >= ITL_SPIKE and not f.free_capacity:
@@ -279,8 +281,7 @@ def backlogged(f: Facts) -> Diagnosis:
                          "check the server first (a stuck step, a dead worker, its logs); once it serves "
                          "again, add capacity or rate-limit admissions (先查服务器是否卡死，再加容量或限流)",
                          f.evidence, REST, f.unknown)
-    action = f.free_capacity or ("add capacity (more replicas/GPUs) or rate-limit admissions "
-                                 "(加容量：更多副本/卡；或者限流)")
+    action = f.free_capacity or ADD_CAPACITY
     return Diagnosis("overload", "请求来得比完成得快，队列在变长：过载刚开始，排队的请求还没进入延迟直方图"
                      "(requests arrive faster than they finish and the queue grows: overload is starting, "
                      "and queued requests are not in the latency histograms yet).",

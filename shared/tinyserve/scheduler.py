@@ -166,7 +166,8 @@ class Scheduler:
             if n == 0:                      # a whole prompt that does not fit this step
                 i += 1
                 continue
-            while not bm.can_allocate(request.request_id, request.num_computed_tokens + n):
+            fits = bm.can_allocate(request.request_id, request.num_computed_tokens + n)
+            while not fits:
                 victim = self._victim(i)
                 if victim is None:
                     break
@@ -175,9 +176,10 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     break
+                fits = bm.can_allocate(request.request_id, request.num_computed_tokens + n)
             if request.status is RequestStatus.PREEMPTED:
                 break
-            if not bm.can_allocate(request.request_id, request.num_computed_tokens + n):
+            if not fits:
                 i += 1                      # holds no blocks, and none can be freed for it
                 continue
             out.scheduled.append(self._schedule(request, n, now))

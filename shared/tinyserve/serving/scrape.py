@@ -77,11 +77,15 @@ class Scrape:
 
 # ---- reading one scrape -----------------------------------------------------------
 
+def check_size(num_bytes: int, source: str = "metrics") -> None:
+    if num_bytes > MAX_SCRAPE_BYTES:
+        raise ValueError(f"{source}: {num_bytes / 2**20:.1f} MiB is more than the {MAX_SCRAPE_BYTES // 2**20} MiB "
+                         f"a scrape may be (a /metrics page is usually well under 1 MiB)")
+
+
 def decode_scrape(data: bytes, source: str = "metrics") -> str:
     """The text of a saved or fetched scrape, or a ``ValueError`` saying what it is instead."""
-    if len(data) > MAX_SCRAPE_BYTES:
-        raise ValueError(f"{source}: {len(data) / 2**20:.1f} MiB is more than the {MAX_SCRAPE_BYTES // 2**20} MiB "
-                         f"a scrape may be (a /metrics page is usually well under 1 MiB)")
+    check_size(len(data), source)
     if data[:2] == b"\x1f\x8b":
         raise ValueError(f"{source}: gzip-compressed; expected the Prometheus text of /metrics "
                          f"(gunzip it first, or save it with curl --compressed)")
@@ -144,8 +148,8 @@ def parse_metrics(text: str, source: str = "metrics") -> Scrape:
     ``source`` and the line if it is neither)."""
     if not isinstance(text, str):
         raise ValueError(f"metrics text must be a str, got {type(text).__name__}")
-    if len(text) > MAX_SCRAPE_BYTES:
-        decode_scrape(text.encode("utf-8", "replace"), source)
+    if len(text) > MAX_SCRAPE_BYTES:     # characters: a lower bound on the bytes
+        check_size(len(text.encode("utf-8", "replace")), source)
     if not text.strip():
         raise ValueError(f"{source}: empty; expected the Prometheus text of a server's /metrics")
     first = text.lstrip()[:200]
@@ -213,8 +217,7 @@ def fetch_metrics(url: str, timeout: float = 10.0) -> Scrape:
         body = bytearray()
         while chunk := response.read1(65536):
             body += chunk
-            if len(body) > MAX_SCRAPE_BYTES:
-                decode_scrape(bytes(body), target)
+            check_size(len(body), target)
             if time.monotonic() > deadline:
                 expire()
         if expired.is_set():
@@ -238,10 +241,7 @@ def read_scrape(path) -> Scrape:
     """A scrape saved to a file (``tinyserve diagnose --once``)."""
     from pathlib import Path
     path = Path(path)
-    size = path.stat().st_size
-    if size > MAX_SCRAPE_BYTES:
-        raise ValueError(f"{path}: {size / 2**20:.1f} MiB is more than the {MAX_SCRAPE_BYTES // 2**20} MiB "
-                         f"a scrape may be (a /metrics page is usually well under 1 MiB)")
+    check_size(path.stat().st_size, str(path))
     return parse_metrics(decode_scrape(path.read_bytes(), str(path)), str(path))
 
 
@@ -415,10 +415,10 @@ class Window:
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0 \
                 or seconds == math.inf:
             raise ValueError(f"seconds must be a positive finite number, got {seconds!r}")
-        self.dialect = detect_dialect(after)
-        if detect_dialect(before).engine != self.dialect.engine:
+        self.dialect, earlier = detect_dialect(after), detect_dialect(before).engine
+        if earlier != self.dialect.engine:
             raise ValueError(f"the two scrapes come from different engines ({before.source}: "
-                             f"{detect_dialect(before).engine}, {after.source}: {self.dialect.engine})")
+                             f"{earlier}, {after.source}: {self.dialect.engine})")
         self.before, self.after, self.seconds = before, after, float(seconds)
         self.model = self.choose_model(model)
         self.restarts = find_restarts(before, after)

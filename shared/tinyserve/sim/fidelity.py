@@ -220,7 +220,7 @@ def compare(cost_models: Sequence = ("roofline", "vllm-like"),
 
 def fit_loss(model: EngineCostModel, rows: Sequence[dict]) -> float:
     """Mean squared log error of ``model`` over the metrics of ``rows``."""
-    errors = [math.log(predict(m, model)[k] / v) for m in rows
+    errors = [math.log(predicted[k] / v) for m in rows for predicted in (predict(m, model),)
               for k, v in m["measured"].items() if k in FIT_METRICS]
     return float(np.mean(np.square(errors)))
 

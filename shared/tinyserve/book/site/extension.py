@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 from pathlib import Path
@@ -54,6 +55,7 @@ def first_sentence(doc: str) -> str:
     return re.split(r"(?<=[.;])\s", text, maxsplit=1)[0].rstrip(".;:")
 
 
+@functools.cache  # the plot sources do not change during a build: read them once, not per page
 def figure_descriptions() -> dict[str, str]:
     """What each plotting function of ``tinyserve.book.plots`` draws (its docstring's first
     sentence), by function name; the helpers of ``plots/common.py`` are left out. Read from
@@ -151,14 +153,12 @@ class PageAdditions(SphinxTransform):
     # -- alt text of output figures
 
     def add_alt_text(self):
-        descriptions = None
         for cell in self.cells():
             source, output = self.cell_parts(cell)
             images = [i for i in (output.findall(nodes.image) if output is not None else []) if not i.get("alt")]
             if not images:
                 continue
-            if descriptions is None:
-                descriptions = figure_descriptions()
+            descriptions = figure_descriptions()
             drawn = []
             for name in CALL.findall(source.astext() if source is not None else ""):
                 if name in descriptions and descriptions[name] not in drawn:
