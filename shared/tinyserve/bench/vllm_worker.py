@@ -1,0 +1,66 @@
+"""The vLLM side of ``bench peer --engine vllm``, run by vLLM's own Python (``.venv-vllm``).
+
+    .venv-vllm/bin/python -m tinyserve.bench.vllm_worker job.json
+
+It imports nothing from tinyserve but this file, so vLLM's environment needs only
+``pip install --no-deps -e .``. The job names a checkpoint directory, a dtype and the
+workloads (token ids and output lengths) and the file to write the result to (vLLM logs
+to stdout, so the result is not printed); the result gives the start-up time, then per
+workload the wall time, every request's token ids and vLLM's own TTFT/TPOT of each
+request (``RequestOutput.metrics``, filled when stats are on). Requests of a workload with
+``concurrency`` 1 go one at a time, the others in one ``generate`` call, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def request_times(output) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) in seconds from vLLM's per-request stats, or Nones without them."""
+    m = output.metrics
+    n = len(output.outputs[0].token_ids)
+    if m is None or not m.first_token_ts:
+        return None, None
+    tpot = (m.last_token_ts - m.first_token_ts) / (n - 1) if n > 1 else None
+    return m.first_token_latency, tpot
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job["dtype"], seed=0, disable_log_stats=False,
+              max_model_len=job["max_model_len"], max_num_seqs=job.get("max_num_seqs", 256))
+    result = {"start_s": time.perf_counter() - started, "workloads": []}
+
+    def generate(prompts, news):
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in news]
+        return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+
+    first = job["workloads"][0]
+    generate(first["prompts"][:1], [2])                     # warm-up, untimed
+    for w in job["workloads"]:
+        began = time.perf_counter()
+        if w["concurrency"] == 1:
+            outs = [o for p, n in zip(w["prompts"], w["news"]) for o in generate([p], [n])]
+        else:
+            outs = generate(w["prompts"], w["news"])
+        seconds = time.perf_counter() - began
+        times = [request_times(o) for o in outs]
+        result["workloads"].append({
+            "name": w["name"], "seconds": seconds,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "ttft": [t for t, _ in times], "tpot": [t for _, t in times]})
+    return result
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    result = run(job)
+    with open(job["out"], "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,160 @@
+"""A real vLLM (its CPU build in ``.venv-vllm``, ``make vllm``) as the reference for
+tinyserve's engine, client, ``diagnose`` and knob names.
+
+Every test here skips with one line where vLLM cannot run (not Linux x86_64, or the
+extra not installed); ``make test-vllm`` runs them alone. The model is a random-weight
+checkpoint of the ``small`` preset's shape (head size 32, which vLLM's CPU attention
+supports) with a byte-level tokenizer covering its whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tinyserve.bench import vllm_peer, vllm_setup
+from tinyserve.bench.peer import Scenario
+from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
+from tinyserve.serving.client import benchmark
+from tinyserve.serving.live_diagnose import diagnose_under_load, window_summary
+from tinyserve.serving.processes import ServerProcess
+from tinyserve.serving.scrape import Window, parse_metrics
+from tinyserve.workload import RequestSpec, make_workload
+
+REASON = vllm_setup.vllm_unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"vLLM skipped: {REASON}")
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE, DTYPE = "small", "float32"
+TTFT_SLO, TPOT_SLO = 0.5, 0.05
+CPU_CROSSOVER = 16          # as tests/test_live_diagnose.py: past 16 on this CPU for `small`
+
+
+@pytest.fixture(scope="module")
+def model():
+    return checkpoint_dir(SHAPE, DTYPE)
+
+
+def vllm_server(model, *flags):
+    # --enforce-eager: no torch.compile at start (minutes on 2 cores); the scheduler,
+    # API server and metrics, which these tests are about, are the same.
+    return vllm_setup.serve(model, DTYPE, "--enforce-eager", *flags)
+
+
+def tinyserve_server(model, *flags):
+    return ServerProcess(["serve", "--model", str(model), "--dtype", DTYPE, "--threads", "1",
+                          *flags]).wait()
+
+
+def scrape(url):
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def test_vllm_offline_gives_tinyserves_greedy_tokens(model):
+    jobs = vllm_peer.workloads(model_config(SHAPE).vocab_size,
+                               (Scenario("B=1", 1, 2), Scenario("B=8, mixed", 8, 8, mixed_outputs=True)))
+    theirs = vllm_peer.run_vllm_offline(model, DTYPE, jobs, tuned=True)
+    ours = vllm_peer.run_tinyserve_offline(model, DTYPE, jobs, eager=True)
+    for t, o in zip(theirs["workloads"], ours["workloads"]):
+        assert [len(x) for x in t["tokens"]] == next(j["news"] for j in jobs if j["name"] == t["name"])
+        for i, (a, b) in enumerate(zip(t["tokens"], o["tokens"])):
+            assert a == b, f"{t['name']} request {i}: vLLM {a[:8]}... tinyserve {b[:8]}..."
+        assert all(x is not None and x > 0 for x in t["ttft"]), "vLLM's per-request stats are on"
+
+
+@pytest.fixture(scope="module")
+def servers(model):
+    """vLLM and tinyserve on the same checkpoint, each with 2 seats and with 32."""
+    started = {}
+    try:
+        for name, seats in (("capped", "2"), ("wide", "32")):
+            started[f"vllm {name}"] = vllm_server(model, "--max-num-seqs", seats)
+            started[f"tinyserve {name}"] = tinyserve_server(model, "--max-num-seqs", seats)
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def test_the_client_agrees_with_vllms_own_metrics(servers):
+    server = servers["vllm wide"]
+    before = scrape(server.url)
+    specs = make_workload("mixed", 24, rate=8, seed=3, max_len=512, length_scale=0.25)
+    s = benchmark(server.url, specs, progress=False)
+    after = scrape(server.url)
+    assert s["errors"] == 0
+    names = sorted({m.group(1) for m in re.finditer(r"^(vllm:[a-z_]+?)(?:_bucket|_sum|_count|_total|_created)?[{ ]",
+                                                     after, re.M)})
+    print("vLLM metric families seen:", ", ".join(names))
+    window, _ = window_summary(Window(parse_metrics(before), parse_metrics(after), s["duration"]))
+    assert window["completed"] == s["completed"] == len(specs)
+    # vLLM's TTFT histogram (per request, from its own front end) against the client's mean:
+    # they agree to within the width of the bucket that holds vLLM's mean.
+    bounds = [0.0] + sorted({float(m.group(1)) for m in re.finditer(
+        r'^vllm:time_to_first_token_seconds_bucket\{[^}]*le="([0-9.e+-]+)"', after, re.M)})
+    mean = window["mean_ttft"]
+    width = next(hi - lo for lo, hi in zip(bounds, bounds[1:]) if lo <= mean <= hi)
+    assert abs(s["mean_ttft"] - mean) <= width, (s["mean_ttft"], mean, width)
+
+
+def verdicts(server, max_num_seqs):
+    """Three scenarios on one server, as tests/test_live_diagnose.py runs them on ours."""
+    capped, wide = server
+    alone = benchmark(wide.url, make_workload("mixed", 4, rate=2, seed=1, max_len=512,
+                                              length_scale=0.25), progress=False)
+    tpot_slo = max(2 * alone["p99_tpot"], TPOT_SLO)
+    run = lambda srv, specs, seats: diagnose_under_load(
+        srv.url, specs, 3.0, 2.0, ttft_slo=max(TTFT_SLO, 4 * alone["p99_ttft"]), tpot_slo=tpot_slo,
+        crossover=CPU_CROSSOVER, max_num_seqs=seats)
+    return {
+        "healthy": run(wide, make_workload("mixed", 12, rate=2, seed=4, max_len=512, length_scale=0.25), 32),
+        "batch too small": run(capped, make_workload("mixed", 600, rate=120, seed=0, max_len=512,
+                                                     length_scale=0.25), 2),
+        "overload": run(wide, make_workload("mixed", 800, rate=150, seed=2, max_len=512,
+                                            length_scale=0.25), 32),
+    }
+
+
+def test_diagnose_on_a_live_vllm_reaches_the_verdict_it_reaches_on_tinyserve(servers):
+    theirs = verdicts((servers["vllm capped"], servers["vllm wide"]), None)
+    ours = verdicts((servers["tinyserve capped"], servers["tinyserve wide"]), None)
+    expected = {"healthy": "healthy", "batch too small": "queueing", "overload": "overload"}
+    for scenario, stage in expected.items():
+        t, o = theirs[scenario], ours[scenario]
+        print(f"--- {scenario} on vLLM\n{t}\n--- on tinyserve\n{o}")
+        assert t.engine == "vllm" and o.engine == "tinyserve"
+        assert o.diagnosis.stage == stage, str(o)
+        assert t.diagnosis.stage == o.diagnosis.stage, f"vLLM: {t}\ntinyserve: {o}"
+        assert t.diagnosis.action.split(":")[0] == o.diagnosis.action.split(":")[0]
+
+
+@pytest.fixture(scope="module")
+def knobs(model):
+    return vllm_setup.installed_knobs(model)
+
+
+def test_every_vllm_knob_the_book_names_exists_in_the_installed_vllm(knobs):
+    fields = knobs["fields"]
+    print(f"vLLM {vllm_setup.VLLM_VERSION} resolves on this CPU:", knobs["resolved"])
+    for ours, theirs in vllm_setup.VLLM_KNOBS.items():
+        assert theirs in fields, f"{ours}: vLLM {vllm_setup.VLLM_VERSION} has no engine argument {theirs}"
+    flags = vllm_setup.vllm_flags_in_book()
+    assert {"--max-num-seqs", "--max-num-batched-tokens"} <= flags, "the knob table was not found"
+    missing = sorted(f for f in flags if f.removeprefix("--").replace("-", "_") not in fields
+                     and f not in vllm_setup.SERVER_FLAGS)
+    assert not missing, f"flags the book gives for vLLM that the installed vLLM lacks: {missing}"
+
+
+def test_what_the_book_says_of_vllms_defaults_holds_for_the_installed_vllm(knobs):
+    # Notebook 07/08 and 05: vLLM turns chunked prefill and prefix caching on by default,
+    # and its scheduling policy is first come, first served unless told otherwise.
+    resolved = knobs["resolved"]
+    assert resolved["enable_chunked_prefill"] is True
+    assert resolved["enable_prefix_caching"] is True
+    assert resolved["policy"] == "fcfs"
