@@ -64,17 +64,26 @@ def workloads(vocab: int, scenarios=VLLM_SCENARIOS, seed: int = 0) -> list[dict]
 
 
 def run_vllm_offline(model: Path, dtype: str, jobs: list[dict], tuned: bool,
-                     timeout: float = 1800) -> dict:
-    """vLLM's offline API in its own process; the worker's result (``bench.vllm_worker``)."""
+                     timeout: float = 3600) -> dict:
+    """vLLM's offline API in its own process group; the worker's result
+    (``bench.vllm_worker``). Its log goes to a file: a pipe would stay open as long as
+    any of vLLM's own subprocesses lives."""
+    from tinyserve.serving.processes import stop_group
     with tempfile.TemporaryDirectory() as tmp:
         job = {"model": str(model), "dtype": dtype, "max_model_len": MAX_MODEL_LEN,
                "workloads": jobs, "out": f"{tmp}/result.json"}
         Path(f"{tmp}/job.json").write_text(json.dumps(job))
-        proc = subprocess.run([str(vllm_python()), "-m", "tinyserve.bench.vllm_worker",
-                               f"{tmp}/job.json"], env=vllm_env(tuned), capture_output=True,
-                              text=True, timeout=timeout, cwd=REPO)
-        if proc.returncode != 0:
-            raise RuntimeError(f"vLLM worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        with open(f"{tmp}/log.txt", "w+") as log:
+            proc = subprocess.Popen([str(vllm_python()), "-m", "tinyserve.bench.vllm_worker",
+                                     f"{tmp}/job.json"], env=vllm_env(tuned), stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            try:
+                code = proc.wait(timeout)
+            finally:
+                stop_group(proc)
+            if code != 0:
+                log.seek(0)
+                raise RuntimeError(f"vLLM worker failed ({code}): {log.read()[-3000:]}")
         return json.loads(Path(job["out"]).read_text())
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +52,22 @@ def wait_healthy(url: str, timeout: float = 120.0, process: subprocess.Popen | N
     raise TimeoutError(f"{url} did not become healthy within {timeout} s")
 
 
+def stop_group(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM to ``process``'s group (started with ``start_new_session``), SIGKILL to it
+    if the leader has not exited within ``timeout``; children never outlive it."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)        # whatever of the group is left
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 class ServerProcess:
     """A ``python -m tinyserve <command>`` subprocess on a free loopback port.
 
@@ -67,9 +84,11 @@ class ServerProcess:
         cmd = [*program, *args, "--host", host, "--port", str(self.port)]
         # stderr goes to a file, not a pipe: a pipe nobody reads can fill up and block it.
         self._stderr = tempfile.TemporaryFile()
+        # Its own process group, so that stop() also ends what it started (vLLM's engine
+        # core and workers), even when it has to be killed.
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._stderr,
                                         env={**(os.environ if env is None else env),
-                                             "PYTHONUNBUFFERED": "1"})
+                                             "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
     def wait(self, timeout: float = 120.0) -> "ServerProcess":
         try:
@@ -81,13 +100,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 10.0) -> str:
         """SIGTERM, then SIGKILL if needed; returns what it wrote to stderr."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_group(self.process, timeout)
         if self._stderr.closed:
             return ""
         self._stderr.seek(0)
