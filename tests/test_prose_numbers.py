@@ -10,7 +10,7 @@ GFLOP/s, %, 倍, ×, ...) from each markdown cell and looks for it, in that orde
 
 1. in ``BOOK``: the chapter's constants and a few hardware datasheet figures, each with its
    source, and ``ARITHMETIC``: results of arithmetic on them, each with its formula;
-2. in the notebook's own code, where a number is written with its unit ("25 ms" in a
+2. in the notebook's own code (for a lab, also its check modules in tinyserve/labs), where a number is written with its unit ("25 ms" in a
    string or comment) or is bare (a load factor, an SLO in seconds);
 3. in the notebook's committed outputs, with or without a unit.
 
@@ -54,9 +54,11 @@ _NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)?"
 # A number, an optional range end ("0.7–2 倍"), a unit. Not "1/3" (the 3), not "x86",
 # not "32 × 2048" (a product: the × is an operator there, not a unit).
 QUANTITY = re.compile(rf"(?<![\w./]){_NUMBER}(?:\s*[–~-]\s*{_NUMBER})?\s?(?:{_UNIT})"
-                      rf"(?![A-Za-z0-9/])(?!\s*[\d$\\(])")
+                      rf"(?![A-Za-z0-9/])")
+PRODUCT = re.compile(r"\s*[\d$\\(]")  # what follows the × of "32 × 2048"
 BARE = re.compile(rf"(?<![\w.]){_NUMBER}(?:[eE]-?\d+)?(?![\w.])")
-TIME_WORDS = re.compile(r"(?i)time|ttft|tpot|itl|latency|e2e|slo|_s\\b|seconds|secs")
+TIME_WORDS = re.compile(r"(?i)time|ttft|tpot|itl|latency|e2e|slo|_s\\b|seconds|secs|every|duration|interval")
+BYTE_WORDS = re.compile(r"(?i)_(?:gib|mib|kib|gb|mb|bytes)\b")  # weight_gib=0.5
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
 
 
@@ -64,6 +66,8 @@ def quantities(text):
     """(number as written, unit) for every quantity with a unit in ``text``."""
     for m in QUANTITY.finditer(text):
         unit = next(u for u in sorted(UNITS, key=len, reverse=True) if m.group(0).rstrip().endswith(u))
+        if unit in ("×", "x") and PRODUCT.match(text, m.end()):
+            continue
         for number in re.findall(_NUMBER, m.group(0)[: -len(unit)]):
             yield number, unit
 
@@ -75,19 +79,49 @@ BOOK = [
     (14, "GB", "chapter: 7B parameters x 2 bytes (FP16)"),
     (2039, "GB/s", "chapter: A100 80GB SXM memory bandwidth"),
     (312, "TFLOP/s", "chapter: A100 dense FP16 tensor-core peak"),
+    # Datasheets, as tinyserve.hardware cites them beside each preset.
     (19.5, "TFLOP/s", "NVIDIA A100 datasheet: FP32 (non-tensor) peak"),
-    (80, "GiB", "NVIDIA A100 80GB: its memory (tinyserve.hardware.A100_SXM_80GB)"),
-    (24, "GiB", "NVIDIA RTX 4090: 24 GB of GDDR6X (tinyserve.hardware)"),
+    (67, "TFLOP/s", "NVIDIA H100 SXM datasheet: FP32 peak"),
+    (80, "GiB", "NVIDIA A100 80GB: its memory, '80GB' in the datasheet (tinyserve.hardware)"),
+    (40, "GB", "NVIDIA A100 40GB: the product's name (tinyserve.hardware.A100_SXM_40GB)"),
+    (81920, "MiB", "nvidia-smi's size of an A100 80GB (tinyserve.hardware, the comment on sizes)"),
+    (24, "GiB", "NVIDIA RTX 4090: 24 GB of GDDR6X (tinyserve.hardware.RTX_4090)"),
+    (24564, "MiB", "nvidia-smi's size of an RTX 4090 (tinyserve.hardware, the comment on sizes)"),
+    (300, "GB/s", "NVIDIA L4 datasheet: memory bandwidth (tinyserve.hardware.L4)"),
     (512, "KiB", "KV cache per token of Llama-2-7B in FP16: 2 x 32 layers x 4096 x 2 bytes"),
     (25, "Gb/s", "a common Ethernet link speed"),
+    # The machines this project has run on (each notebook's first output names its machine).
+    (32, "MiB", "the AMD EPYC (Zen 5) VM's L3"),
+    (480, "MiB", "the Intel Xeon VM's L3, as notebook 03's first output printed it"),
 ]
+# Arithmetic on the constants above: (value, unit, formula).
+ARITHMETIC = [
+    (6.87, "ms", "14 GB / 2039 GB/s (the 6.9 ms unrounded)"),
+    (44.9, "µs", "2 x 7e9 FLOP / 312 TFLOP/s (the 45 µs unrounded)"),
+    (46.67, "ms", "14 GB / 300 GB/s: an L4 reads the 7B FP16 weights"),
+    (13.89, "ms", "14 GB / 1008 GB/s: an RTX 4090 reads the 7B FP16 weights"),
+    (72, "tok/s", "1 / 13.89 ms: one user's ceiling on an RTX 4090"),
+    (84.7, "µs", "2 x 7e9 FLOP / 165.2 TFLOP/s: one request's compute on an RTX 4090"),
+    (0.21, "ms", "8 requests x 101 tokens x 512 KiB / 2039 GB/s: their KV read on an A100"),
+    (7.07, "ms", "6.87 ms + 0.21 ms: notebook 06's predicted step"),
+    (0.36, "ms", "8 x 14 GFLOP / 312 TFLOP/s"),
+    (400, "MB", "cpu-bench: about 1e8 parameters x 4 bytes (fp32)"),
+    (128, "倍", "a K or V row holds head_dim = 128 numbers where a score is one"),
+    (7, "MiB", "8 heads x 480 x 480 scores x 4 bytes (fp32) = 7.03 MiB"),
+    (8, "KiB", "a row of 4096 fp16 numbers: 4096 x 2 bytes"),
+    (128, "MiB", "32 layers x 1024 x 1024 fp32 numbers x 4 bytes"),
+    (67, "ms", "1500 tokens x 44.9 µs: a 1500-token prefill's compute on an A100 (7B FP16)"),
+    (80, "秒", "2000 requests / 25 per second: notebook 06's overload workload arrives for 80 s"),
+]
+
+
 # The book's named dimensionless quantities: the prose word, the word the code prints, and the
 # chapter's value (an A100 with a 7B FP16 model: 312 TFLOP/s / 2039 GB/s = 153 FLOP/byte, and
 # with 2 bytes per parameter and 2 FLOPs per parameter the crossover batch is the same 153).
 NAMED = {"脊点": ("ridge", 153), "交叉点": ("crossover", 153), "拐点": ("knee", None)}
 # "脊点只有十几", "交叉点约 153", "交叉点…在二十几": a copula, then digits or a vague numeral.
 NAMED_VALUE = re.compile(r"(脊点|交叉点|拐点)[^。；\n]{0,12}?(?:是|在|只有|约|大约|≈|=|为)\s*"
-                         rf"({_NUMBER}|[一二三四五六七八九]?十几|几十|几百|一两百)")
+                         rf"({_NUMBER}|[一二三四五六七八九]?十几|几十|几百|一两百)(?![\d.]|\s*倍)")
 VAGUE = {"几十": (20, 99), "几百": (200, 999), "一两百": (100, 200)}
 
 
@@ -103,11 +137,6 @@ def _interval(written):
     return (value - 0.5 * 10**-decimals, value + 0.5 * 10**-decimals)
 
 
-# Arithmetic on the constants above: (value, unit, formula).
-ARITHMETIC = [
-    (6.87, "ms", "14 GB / 2039 GB/s (the 6.9 ms unrounded)"),
-    (44.9, "µs", "2 x 7e9 FLOP / 312 TFLOP/s (the 45 µs unrounded)"),
-]
 
 
 def _scale(unit):
@@ -130,9 +159,12 @@ class Haystack:
     integer (a batch size, a count, an index) never stands for a measurement.
     """
 
-    def __init__(self, nb):
+    def __init__(self, nb, modules=()):
         self.found = []  # (value in the base unit or bare, dimension, is_bare)
         self.named = {}  # "crossover" -> every number on a line that names it
+        for module in modules:
+            for line in module.read_text(encoding="utf-8").splitlines():
+                self._add(line)
         for cell in nb.cells:
             if cell.cell_type != "code":
                 continue
@@ -147,6 +179,8 @@ class Haystack:
         dims = {"ratio"} | {UNITS[u][0] for _, u in quantities(text)}
         if TIME_WORDS.search(text):
             dims.add("time")
+        if BYTE_WORDS.search(text):
+            dims.add("bytes")
         for number, unit in quantities(text):
             self.found.append((float(number.replace(",", "")) * _scale(unit), UNITS[unit][0], False))
         for number in BARE.findall(QUANTITY.sub(" ", text)):
@@ -195,9 +229,15 @@ def _checked_prose(source, is_overview):
     return "\n".join(lines)
 
 
-def unfound(nb, is_overview=False):
+def lab_modules(path):
+    """A lab's checks live in the package (tinyserve/labs/lab03.py, lab03_machine.py): its code too."""
+    match = re.match(r"lab(\d\d)_", path.name)
+    return sorted((ROOT / "shared" / "tinyserve" / "labs").glob(f"lab{match.group(1)}*.py")) if match else []
+
+
+def unfound(nb, is_overview=False, modules=()):
     """'cell i: number unit' for every quantity in the prose found nowhere."""
-    haystack = Haystack(nb)
+    haystack = Haystack(nb, modules)
     problems = []
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "markdown":
@@ -252,6 +292,7 @@ def test_a_number_in_code_counts_only_with_its_unit_or_bare():
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=str(p.relative_to(ROOT))) for p in NOTEBOOKS])
 def test_every_number_in_the_prose_is_printed_by_the_notebook_or_is_a_constant(path):
-    problems = unfound(nbformat.read(path, as_version=4), is_overview=path.name.startswith("00_"))
+    problems = unfound(nbformat.read(path, as_version=4), is_overview=path.name.startswith("00_"),
+                       modules=lab_modules(path))
     assert not problems, (f"{path.relative_to(ROOT)}: numbers in markdown found in no output, code or "
                           "BOOK/ARITHMETIC constant (point at the printed line instead):\n" + "\n".join(problems))
