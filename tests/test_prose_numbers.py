@@ -110,6 +110,7 @@ ARITHMETIC = [
     (7, "MiB", "8 heads x 480 x 480 scores x 4 bytes (fp32) = 7.03 MiB"),
     (8, "KiB", "a row of 4096 fp16 numbers: 4096 x 2 bytes"),
     (128, "MiB", "32 layers x 1024 x 1024 fp32 numbers x 4 bytes"),
+    (256, "GiB", "16 requests x 32768 tokens x 512 KiB of Llama-2-7B KV cache"),
     (67, "ms", "1500 tokens x 44.9 µs: a 1500-token prefill's compute on an A100 (7B FP16)"),
     (0.37, "s", "8192 tokens x 44.9 µs: a full 8192-token prefill step's compute on an A100 (7B FP16)"),
     (80, "秒", "2000 requests / 25 per second: notebook 06's overload workload arrives for 80 s"),
