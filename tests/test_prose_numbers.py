@@ -298,3 +298,24 @@ def test_every_number_in_the_prose_is_printed_by_the_notebook_or_is_a_constant(p
                        modules=lab_modules(path))
     assert not problems, (f"{path.relative_to(ROOT)}: numbers in markdown found in no output, code or "
                           "BOOK/ARITHMETIC constant (point at the printed line instead):\n" + "\n".join(problems))
+
+
+# "goodput 0.90 req/s, SLO met 8%, p99 TTFT 9.195 s, p99 TPOT 141.5 ms": one run of lab 07's capstone.
+CAPSTONE_RUN = re.compile(r"goodput ([\d.]+) req/s, SLO met \d+%, p99 TTFT ([\d.]+) s, p99 TPOT ([\d.]+) ms")
+# "| 批：`max_num_seqs` 8 → 128 | 0.90 | 9.20 s | 141.5 ms |": a row of the guide's reference path.
+GUIDE_ROW = re.compile(r"^\|[^|]+\| ([\d.]+) \| ([\d.]+) s \| ([\d.]+) ms \|$", re.MULTILINE)
+
+
+def test_the_guides_lab07_path_is_what_the_solution_printed():
+    """The instructor guide's Lab 07 table, row by row: the baseline, then each step of the reference path."""
+    nb = nbformat.read(ROOT / "solutions" / "lab07_capstone_tuning.ipynb", as_version=4)
+    printed = []
+    for cell in nb.cells:
+        for run in CAPSTONE_RUN.findall(_output_text(cell) if cell.cell_type == "code" else ""):
+            if not printed or printed[-1] != run:   # the baseline is shown twice
+                printed.append(run)
+    guide = (ROOT / "solutions" / "INSTRUCTOR.md").read_text(encoding="utf-8").split("### Lab 07", 1)[1]
+    rows = GUIDE_ROW.findall(guide)
+    assert len(rows) == len(printed) == 5, (rows, printed)
+    for row, run in zip(rows, printed):
+        assert all(_rounds_to(float(p), r) for r, p in zip(row, run)), f"guide {row} vs solution {run}"
