@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from tinyserve.book.plots.common import ensure_axes, finish, SMALL, MEDIUM, TITLE
+from tinyserve.book.plots.common import ensure_axes, finish, plain_number, two_and_five, SMALL, MEDIUM, TITLE
 from tinyserve.sim.fidelity import SPEED_METRICS
 
 
@@ -37,16 +37,11 @@ def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requ
     if log:
         ax.set_xscale("log")
         # Plain numbers, not "3x10^1"; within less than two decades also 2x and 5x.
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_major_formatter(FuncFormatter(plain_number))
         narrow = span and min(span) > 0 and max(span) / min(span) < 100
-        ax.xaxis.set_minor_formatter(FuncFormatter(_two_and_five) if narrow else NullFormatter())
+        ax.xaxis.set_minor_formatter(FuncFormatter(two_and_five) if narrow else NullFormatter())
     ax.set_ylim(0, 1.02)
     return finish(ax, title, xlabel=xlabel, ylabel=ylabel, title_size=TITLE, grid="both")
-
-
-def _two_and_five(value, _):
-    mantissa = round(value / 10 ** np.floor(np.log10(value)))
-    return f"{value:g}" if mantissa in (2, 5) else ""
 
 
 def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=None, ax=None,
