@@ -10,8 +10,9 @@ GFLOP/s, %, 倍, ×, ...) from each markdown cell and looks for it, in that orde
 
 1. in ``BOOK``: the chapter's constants and a few hardware datasheet figures, each with its
    source, and ``ARITHMETIC``: results of arithmetic on them, each with its formula;
-2. in the notebook's own code (for a lab, also its check modules in tinyserve/labs), where a number is written with its unit ("25 ms" in a
-   string or comment) or is bare (a load factor, an SLO in seconds);
+2. in the notebook's own code (for a lab, also its check modules in tinyserve/labs), where a
+   number is written with its unit ("25 ms" in a string or comment) or is bare (a load
+   factor, an SLO in seconds);
 3. in the notebook's committed outputs, with or without a unit.
 
 The book's named quantities (脊点, 交叉点, 拐点) are checked even without a unit and even in
@@ -57,7 +58,7 @@ QUANTITY = re.compile(rf"(?<![\w./]){_NUMBER}(?:\s*[–~-]\s*{_NUMBER})?\s?(?:{_
                       rf"(?![A-Za-z0-9/])")
 PRODUCT = re.compile(r"\s*[\d$\\(]")  # what follows the × of "32 × 2048"
 BARE = re.compile(rf"(?<![\w.]){_NUMBER}(?:[eE]-?\d+)?(?![\w.])")
-TIME_WORDS = re.compile(r"(?i)time|ttft|tpot|itl|latency|e2e|slo|_s\\b|seconds|secs|every|duration|interval")
+TIME_WORDS = re.compile(r"(?i)time|ttft|tpot|itl|latency|e2e|slo|_s\b|seconds|secs|every|duration|interval")
 BYTE_WORDS = re.compile(r"(?i)_(?:gib|mib|kib|gb|mb|bytes)\b")  # weight_gib=0.5
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
 
@@ -137,8 +138,6 @@ def _interval(written):
     decimals = len(written.split(".")[1]) if "." in written else 0
     value = float(written.replace(",", ""))
     return (value - 0.5 * 10**-decimals, value + 0.5 * 10**-decimals)
-
-
 
 
 def _scale(unit):
@@ -244,10 +243,11 @@ def unfound(nb, is_overview=False, modules=()):
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "markdown":
             continue
-        for number, unit in quantities(_checked_prose(cell.source, is_overview)):
+        prose = _checked_prose(cell.source, is_overview)
+        for number, unit in quantities(prose):
             if not (_in_book(number, unit) or haystack.has(number, unit)):
                 problems.append(f"cell {i}: {number} {unit}")
-        for m in NAMED_VALUE.finditer(_checked_prose(cell.source, is_overview)):
+        for m in NAMED_VALUE.finditer(prose):
             english, book = NAMED[m.group(1)]
             low, high = _interval(m.group(2))
             if not ((book is not None and low <= book <= high) or haystack.has_named(english, m.group(2))):
