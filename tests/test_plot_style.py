@@ -41,3 +41,23 @@ def test_no_module_or_notebook_sets_its_own_dpi_or_font_size():
     offenders = [f"{path.relative_to(ROOT)}: {m.group(0)}"
                  for path, text in sources.items() for m in OWN_NUMBERS.finditer(text)]
     assert not offenders, "use plots.common's DPI / SMALL / MEDIUM / TITLE instead:\n" + "\n".join(offenders)
+
+
+def test_a_cdf_names_its_slo_in_the_legend_not_on_the_curves():
+    ax = plots.cdf({"fcfs": [0.1, 0.2, 0.5, 1.0, 2.0]}, marks={"SLO": 0.5})
+    assert not ax.texts                                   # no label written inside the axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["fcfs", "SLO (0.5)"]
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_a_saved_playground_shows_a_sentence_not_its_widget_tree():
+    import pytest
+
+    pytest.importorskip("ipywidgets")
+    from tinyserve.book import widgets
+
+    box = widgets.scheduling_playground(rate=5.0, num_requests=20)
+    data = box._repr_mimebundle_()
+    data = data[0] if isinstance(data, tuple) else data
+    assert data["text/plain"] == widgets.PLAYGROUND_TEXT       # not VBox(children=(...))
+    matplotlib.pyplot.close("all")

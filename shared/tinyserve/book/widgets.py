@@ -143,4 +143,10 @@ def scheduling_playground(workload: str = "mixed", rate: float = 16.0, policy: s
     for w in (wl_w, pol_w, rate_w, budget_w):
         w.observe(update, names="value")
     update()
-    return W.VBox([W.HBox([wl_w, pol_w]), W.HBox([rate_w, budget_w]), summary, out])
+    return _with_static_text(W.VBox([W.HBox([wl_w, pol_w]), W.HBox([rate_w, budget_w]), summary, out]),
+                             PLAYGROUND_TEXT)
+
+
+PLAYGROUND_TEXT = ("调度策略游乐场：运行这一格就能拨动策略、到达率、负载和 token 预算（上一格是一组参数下的静态图）。"
+                   "/ The scheduling playground: run this cell for the live controls "
+                   "(the cell above is its static figure for one setting).")

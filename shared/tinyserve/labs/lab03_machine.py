@@ -120,14 +120,13 @@ def _my_machine(find_knee, crossover_batch, plot, budget_s):
         fail(f"find_knee 返回了 {knee:.4g}，不在扫描范围 [{b.min():.0f}, {b.max():.0f}] 内",
              f"find_knee returned {knee:.4g}, outside the sweep [{b.min():.0f}, {b.max():.0f}]")
     floor, slope, _ = best_hinge_at(b, t, knee)
-    ref = M.fit_knee(b, t)
     flat = abs(knee - b.max()) <= 1e-9 * b.max()
 
     if plot:
         _plot_machine(spec, model, b, t, knee, predicted, floor, slope)
-    _report_machine(spec, b, t, floor_s, knee, predicted, ref, flat, start)
+    _report_machine(spec, b, t, floor_s, knee, predicted, flat, start)
     return {"spec": spec, "model": model, "batch_sizes": batch_sizes, "step_times": step_times,
-            "knee": knee, "predicted": predicted, "reference_knee": ref.knee, "floor": floor, "slope": slope,
+            "knee": knee, "predicted": predicted, "floor": floor, "slope": slope,
             "weight_read_floor": floor_s}
 
 
@@ -164,7 +163,7 @@ def _plot_machine(spec, model, b, t, knee, predicted, floor, slope):
     plt.show()
 
 
-def _report_machine(spec, b, t, floor_s, knee, predicted, ref, flat, start):
+def _report_machine(spec, b, t, floor_s, knee, predicted, flat, start):
     """Print the ceilings, the floor, the predicted crossover and the knee, side by side."""
     import time
 
@@ -175,7 +174,7 @@ def _report_machine(spec, b, t, floor_s, knee, predicted, ref, flat, start):
           f"{floor_s * 1e3:.2f} ms（{t[0] / floor_s:.2f}×）")
     print(f"预测的交叉点 / predicted crossover: {predicted:.1f}；你拟合的拐点 / your knee: {knee:.1f}"
           + ("（平的：拐点在扫描范围之外 / flat: beyond the sweep）" if flat else "")
-          + f"；参考 fit_knee / reference: {ref.knee:.1f}；拐点/预测 = {ratio:.2f}")
+          + f"；拐点/预测 = {ratio:.2f}")
     if 1 / PAYOFF_FACTOR <= ratio <= PAYOFF_FACTOR:
         print(f"✓ 拐点落在预测交叉点的 {PAYOFF_FACTOR} 倍以内：屋顶线在你的机器上成立 "
               f"/ the knee is within {PAYOFF_FACTOR}x of the predicted crossover")

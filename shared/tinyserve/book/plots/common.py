@@ -16,6 +16,7 @@ under 8 pt keep a figure readable on a classroom projector.
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 DPI = 110
 SMALL, MEDIUM, TITLE = 8, 9, 10
@@ -52,3 +53,14 @@ def finish(ax, title=None, xlabel=None, ylabel=None, *, title_size=None, grid="m
     if legend is not None:
         ax.legend(fontsize=legend)
     return ax
+
+
+def plain_number(value, _=None) -> str:
+    """A log axis's tick label as a plain number: "60", not "6x10^1"."""
+    return f"{value:g}"
+
+
+def two_and_five(value, _=None) -> str:
+    """Minor tick labels of a log axis that spans little: only the 2s and 5s of each decade."""
+    mantissa = round(value / 10 ** np.floor(np.log10(value)))
+    return f"{value:g}" if mantissa in (2, 5) else ""

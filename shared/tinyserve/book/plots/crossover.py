@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FuncFormatter
 
-from tinyserve.book.plots.common import ensure_axes, finish, SMALL, TITLE
+from tinyserve.book.plots.common import ensure_axes, finish, plain_number, two_and_five, SMALL, TITLE
 
 
 def crossover_with_context(hw, model, dtype, context_len=0):
@@ -117,10 +118,15 @@ def latency_throughput(curves, ax=None, title="Latency vs throughput as the batc
         b, t = np.asarray(b, dtype=float), np.asarray(t, dtype=float)
         line, = ax.plot(b / t, 1 / t, "o-", ms=3, label=label)
         for x, y, bb in zip(b / t, 1 / t, b):
-            if bb in annotate:       # every other curve labels below its points: no label on another
+            if bb in annotate:       # the first curve labels above its points, the next below
+                up = k % 2 == 0
                 ax.annotate(f"B={bb:.0f}", (x, y), fontsize=SMALL, color=line.get_color(),
-                            xytext=(3, 3 if k % 2 == 0 else -10), textcoords="offset points")
+                            xytext=(3, 4) if up else (4, -5), textcoords="offset points",
+                            va="bottom" if up else "top")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(plain_number))
+        axis.set_minor_formatter(FuncFormatter(two_and_five))
     return finish(ax, title, xlabel="total tokens/s (all users)", ylabel="per-user tokens/s",
                   title_size=TITLE, grid="both")

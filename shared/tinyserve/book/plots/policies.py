@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from tinyserve.book.plots.common import ensure_axes, finish, SMALL, MEDIUM, TITLE
+from tinyserve.book.plots.common import ensure_axes, finish, plain_number, two_and_five, SMALL, MEDIUM, TITLE
 from tinyserve.sim.fidelity import SPEED_METRICS
 
 
@@ -21,7 +21,7 @@ def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requ
 
     ``series`` maps a label to values (TTFTs, TPOTs, inter-token gaps, ...);
     ``marks`` maps a label to an x value (e.g. an SLO) drawn as a dotted vertical
-    line. Values and marks are in the same unit and multiplied by ``scale`` for
+    line, named in the legend. Values and marks are in the same unit and multiplied by ``scale`` for
     the x axis (``scale=1e3`` to show seconds in ms).
     """
     ax = ensure_axes(ax, (5, 3.5))
@@ -32,22 +32,16 @@ def cdf(series, ax=None, title="CDF", xlabel="seconds", ylabel="fraction of requ
             ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=f"C{i}", lw=1.5, label=label)
             span += [v[0], v[-1]]
     for label, x in (marks or {}).items():
-        ax.axvline(x * scale, color="gray", ls=":", lw=1)
-        ax.annotate(label, (x * scale, 0.5), fontsize=SMALL, color="gray", ha="center", va="center",
-                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
+        # Named in the legend, not written on the plot, where it would sit on some curve.
+        ax.axvline(x * scale, color="gray", ls=":", lw=1.2, label=f"{label} ({x * scale:g})")
     if log:
         ax.set_xscale("log")
         # Plain numbers, not "3x10^1"; within less than two decades also 2x and 5x.
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_major_formatter(FuncFormatter(plain_number))
         narrow = span and min(span) > 0 and max(span) / min(span) < 100
-        ax.xaxis.set_minor_formatter(FuncFormatter(_two_and_five) if narrow else NullFormatter())
+        ax.xaxis.set_minor_formatter(FuncFormatter(two_and_five) if narrow else NullFormatter())
     ax.set_ylim(0, 1.02)
     return finish(ax, title, xlabel=xlabel, ylabel=ylabel, title_size=TITLE, grid="both")
-
-
-def _two_and_five(value, _):
-    mantissa = round(value / 10 ** np.floor(np.log10(value)))
-    return f"{value:g}" if mantissa in (2, 5) else ""
 
 
 def starvation_vs_aging(agings, long_waits, short_ttfts, fcfs=None, predicted=None, ax=None,
