@@ -25,6 +25,7 @@ greedy tokens equal tinyserve eager's. Nothing is tuned on one side only.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -176,7 +177,9 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
     import torch
     report = {"benchmark": "peer-vllm", "vllm": VLLM_VERSION if not reason else None,
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "machine": this_machine().as_dict(), "rows": []}
+              "machine": this_machine().as_dict(), "rows": [],
+              # Other programs slow both engines, and not equally: the load is part of the result.
+              "load_average": [round(x, 1) for x in os.getloadavg()]}
     with fixed_threads(usable_cores()):
         for shape in shapes:
             for dtype in dtypes:
@@ -201,6 +204,7 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
                         row.update(model=shape, dtype=dtype)
                         say("  " + format_row(row), flush=True)
                     report["rows"] += rows
+                    report["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
                     if out:
                         Path(out).write_text(json.dumps(report, indent=1, ensure_ascii=False))
     print_report(report, say)
@@ -225,6 +229,9 @@ def print_report(report: dict, say=print) -> None:
     say(head)
     for r in report["rows"]:
         say(format_row(r))
+    if report.get("load_average"):
+        say(f"load average (1, 5, 15 min) when the run started: {report['load_average']} on "
+            f"{m.get('cores', '?')} cores; other programs slow both engines, and not equally")
     for mode in ("offline", "server"):
         best = {}
         for r in report["rows"]:

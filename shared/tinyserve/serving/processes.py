@@ -95,7 +95,7 @@ class ServerProcess:
             wait_healthy(self.url, timeout, self.process)
         except Exception:
             err = self.stop()
-            raise RuntimeError(f"{self.url} failed to start: {err[-2000:]}") from None
+            raise RuntimeError(f"{self.url} failed to start: {err[-6000:]}") from None
         return self
 
     def stop(self, timeout: float = 10.0) -> str:
