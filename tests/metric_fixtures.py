@@ -36,6 +36,9 @@ import numpy as np
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tinyserve.serving.live_diagnose import diagnose_window
+from tinyserve.serving.scrape import Histogram as ScrapedHistogram, Window, histograms_by_series, parse_metrics
+
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 WINDOW = 60.0
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -275,6 +278,21 @@ def serve(engine: str, scenario: str) -> tuple[str, str, dict]:
     first, second = (HEADER.format(engine=engine, scenario=scenario, n=n, window=WINDOW) + text
                      for n, text in ((1, first), (2, second)))
     return first, second, server.log
+
+
+def diagnose_texts(before: str, after: str, seconds: float, model: str | None = None,
+                   sources: tuple = ("the first scrape", "the second scrape"), **knobs):
+    """Two scrapes held as Prometheus text, ``seconds`` apart; ``sources`` name them in errors."""
+    first, second = (parse_metrics(text, source) for text, source in zip((before, after), sources))
+    return diagnose_window(Window(first, second, seconds, model), **knobs)
+
+
+def histogram_of(text: str, name: str) -> ScrapedHistogram:
+    """Every series of histogram ``name`` in a scrape, added up."""
+    total = None
+    for h in histograms_by_series(parse_metrics(text), name, None).values():
+        total = h if total is None else total.plus(h, name)
+    return total
 
 
 def build(engine: str, scenario: str) -> tuple[str, str]:

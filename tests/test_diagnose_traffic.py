@@ -31,7 +31,6 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 import metric_fixtures as mf
 from tinyserve.cli import main
 from tinyserve.serving import scrape
-from tinyserve.serving.live_diagnose import diagnose_texts
 from tinyserve.serving.scrape import fetch_metrics, parse_metrics
 
 TTFT_SLO, TPOT_SLO = 0.5, 0.05
@@ -173,7 +172,7 @@ def calm(server, idx="0", seed=99):
 
 def live(first, second, seconds=mf.WINDOW, **knobs):
     knobs = {"ttft_slo": TTFT_SLO, "tpot_slo": TPOT_SLO, "crossover": CROSSOVER, "max_num_seqs": 256} | knobs
-    return diagnose_texts(first, second, seconds, sources=("before.prom", "after.prom"), **knobs)
+    return mf.diagnose_texts(first, second, seconds, sources=("before.prom", "after.prom"), **knobs)
 
 
 LOAD_ENGINES = ["vllm", "vllm-0.8", "sglang"]      # sglang-old exports no finished-requests counter

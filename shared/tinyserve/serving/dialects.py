@@ -68,6 +68,7 @@ ROLES = {
     "itl": ("histogram", "inter-token latency histogram"),
     "e2e": ("histogram", "end-to-end latency histogram"),
     "queue_time": ("histogram", "queue-time histogram"),
+    "step_tokens": ("histogram", "tokens-per-step histogram"),
 }
 #: Roles whose names are distinct outcomes to add up, not alternatives.
 SUMMED = {"finished"}
@@ -144,6 +145,9 @@ VLLM = Dialect("vllm", "vllm:", {
                   "vLLM < 0.11 name of the per-token gaps; hidden in 0.12, removed in 0.13")),
     "e2e": names("vllm:e2e_request_latency_seconds"),
     "queue_time": names("vllm:request_queue_time_seconds"),
+    # Tokens scheduled per engine step (prefill + decode): pinned at one value while
+    # requests wait, it is the --max-num-batched-tokens budget that holds them back.
+    "step_tokens": names(("vllm:iteration_tokens_total", "tokens per engine step")),
 })
 
 SGLANG = Dialect("sglang", "sglang:", {
