@@ -123,7 +123,7 @@ def test_older_vllm_names_are_found_and_named():
     live = live_of("vllm-0.8", "overload")
     assert live.sources["kv_usage"].startswith("vllm:gpu_cache_usage_perc (vLLM < 0.10")
     assert live.sources["prefix_hits"].startswith("vllm:gpu_prefix_cache_hits_total")
-    assert live.sources["itl"].startswith("vllm:time_per_output_token_seconds (vLLM < 0.11")
+    assert live.sources["itl"].startswith("vllm:time_per_output_token_seconds (the per-token gaps' name before 0.11")
     assert live.sources["tpot"].startswith("stand-in: vllm:time_per_output_token_seconds")
     # Mean with mean: the mean gap is the token-weighted mean TPOT; a p99 of gaps is no p99 of TPOT.
     assert live.summary["mean_tpot"] == live.summary["mean_itl"]
@@ -131,6 +131,11 @@ def test_older_vllm_names_are_found_and_named():
     new = live_of("vllm", "overload")
     assert new.sources["tpot"].startswith("vllm:request_time_per_output_token_seconds")
     assert new.sources["itl"].startswith("vllm:inter_token_latency_seconds")
+    # v0.11 exports the gaps under both names and no per-request TPOT: the new name, and the stand-in.
+    v011 = live_of("vllm-0.11", "overload")
+    assert v011.sources["itl"].startswith("vllm:inter_token_latency_seconds")
+    assert v011.sources["tpot"].startswith("stand-in: vllm:inter_token_latency_seconds")
+    assert v011.diagnosis.stage == new.diagnosis.stage == "overload"
 
 
 def test_what_a_dialect_lacks_is_stated_not_guessed():
