@@ -56,6 +56,7 @@ VLLM_TOKEN = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
               10.0, 20.0, 40.0, 80.0]
 VLLM_REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_STEP_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SGLANG_TTFT = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
 SGLANG_E2E = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
               1800, 2400]
@@ -109,6 +110,7 @@ DOCS = {
     "tpot": "Histogram of time_per_output_token_seconds per request.",
     "e2e": "Histogram of e2e request latency in seconds.",
     "queue_time": "Histogram of time spent in WAITING phase for request.",
+    "step_tokens": "Histogram of number of tokens per engine_step.",
 }
 
 
@@ -123,7 +125,8 @@ VLLM = Engine(  # vllm/v1/metrics/loggers.py, the v0.12 names: a per-request TPO
                 "itl": ("vllm:inter_token_latency_seconds", VLLM_TOKEN),
                 "tpot": ("vllm:request_time_per_output_token_seconds", VLLM_TOKEN),
                 "e2e": ("vllm:e2e_request_latency_seconds", VLLM_REQUEST),
-                "queue_time": ("vllm:request_queue_time_seconds", VLLM_REQUEST)},
+                "queue_time": ("vllm:request_queue_time_seconds", VLLM_REQUEST),
+                "step_tokens": ("vllm:iteration_tokens_total", VLLM_STEP_TOKENS)},
     finished_reasons=("stop", "length", "abort"))
 
 VLLM_0_11 = Engine(  # the v0.11 line: inter_token_latency_seconds, and the same gaps under the old

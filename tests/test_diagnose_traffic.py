@@ -26,8 +26,8 @@ import metric_fixtures as mf
 from tinyserve.cli import main
 from tinyserve.serving import scrape
 from tinyserve.serving.scrape import fetch_metrics, parse_metrics
-from traffic import (CROSSOVER, LOAD_ENGINES, SGLANG_ABORTS, SOURCES, START, TPOT_SLO, TTFT_SLO,
-                     VLLM_REUSE, Server, calm, clock, live)  # noqa: F401 (clock: an autouse fixture)
+from traffic import (CROSSOVER, LOAD_ENGINES, SGLANG_ABORTS, SOURCES, START, TPOT_SLO, TTFT_SLO,  # noqa: F401
+                     VLLM_REUSE, Server, calm, clock, http_server, live)  # clock, http_server: fixtures
 
 
 # ---- 1, 2: a queue that grows is overload, whatever the latency of what finished ------------
@@ -379,22 +379,6 @@ class Big(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
-
-
-@pytest.fixture
-def http_server():
-    servers = []
-
-    def start(handler):
-        server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.parametrize("path", ["", "/headers"])

@@ -9,6 +9,8 @@ timestamps are known. Used by tests/test_diagnose_traffic.py and
 tests/test_diagnose_operators.py.
 """
 
+import socketserver
+import threading
 import types
 
 import numpy as np
@@ -169,3 +171,19 @@ def live(first, second, seconds=mf.WINDOW, **knobs):
 
 
 LOAD_ENGINES = ["vllm", "vllm-0.8", "sglang"]      # sglang-old exports no finished-requests counter
+
+
+@pytest.fixture
+def http_server():
+    servers = []
+
+    def start(handler):
+        server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
