@@ -313,7 +313,7 @@ def test_a_batch_past_153_with_long_contexts_is_memory_bound():
     assert memory > 1.5 * compute
     d = diagnose(SLOW_DECODE | {"mean_context_len": 160.0}, 0.5, 0.025, crossover=AT, max_num_seqs=512)
     assert d.stage == "decode" and "memory-bound" in d.finding and "compute-bound" not in d.finding, str(d)
-    assert d.evidence["crossover at this context (small below 50%)"] == pytest.approx(AT(160))
+    assert d.evidence["crossover at this context"] == pytest.approx(AT(160))
     assert AT(160) > 168 > AT(0) == pytest.approx(153, abs=0.1)
     assert d.action.startswith("lower max_num_seqs toward the weights-only crossover")
     # With short contexts the same batch is compute-bound.

@@ -248,8 +248,8 @@ class Facts:
             self.evidence[f"crossover (small below {SMALL_BATCH:.0%})"] = self.crossover
         else:
             self.evidence["mean_context_len"] = context
-            self.evidence[f"crossover at this context (small below {SMALL_BATCH:.0%})"] = self.crossover
-            self.evidence["crossover with weights only"] = self.weights_crossover
+            self.evidence["crossover at this context"] = self.crossover
+            self.evidence[f"crossover with weights only (small below {SMALL_BATCH:.0%})"] = self.weights_crossover
 
     def add_cache(self) -> None:
         if self.prefix_share is not None and self.prefix_share > 0:
@@ -270,9 +270,10 @@ class Facts:
 
     @property
     def growing_at_cap(self) -> bool:
-        """The queue grows while the batch sits at its cap: nothing more can be admitted."""
-        growth = self.opt["queue_growth_rate"]
-        return growth is not None and growth > 0 and self.capped and (self.queue_end or 0) >= 1
+        """The queue, still there at the end of the window, grew while the batch sat at its
+        cap: nothing more can be admitted. (A simulated run that drains has no end queue.)"""
+        growth, end = self.opt["queue_growth_rate"], self.opt["queue_length_at_end"]
+        return growth is not None and growth > 0 and self.capped and end is not None and end >= 1
 
     @property
     def backlog(self) -> bool:
