@@ -41,8 +41,9 @@ import numpy as np
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tinyserve.serving.histogram import Histogram as ScrapedHistogram
 from tinyserve.serving.live_diagnose import diagnose_window
-from tinyserve.serving.scrape import Histogram as ScrapedHistogram, Window, histograms_by_series, parse_metrics
+from tinyserve.serving.scrape import Window, histograms_by_series, parse_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 WINDOW = 60.0

@@ -15,7 +15,8 @@ import pytest
 
 import metric_fixtures as mf
 from tinyserve.cli import main
-from tinyserve.diagnose import ITL_SPIKE, diagnose
+from tinyserve.diagnose import diagnose
+from tinyserve.diagnose_facts import ITL_SPIKE
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, crossover_batch, decode_step_bytes, decode_step_flops
 from tinyserve.serving.live_diagnose import crossover_of
 from tinyserve.serving.scrape import fetch_metrics

@@ -18,10 +18,11 @@ import metric_fixtures as mf
 from tinyserve.cli import main
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, crossover_batch
 from tinyserve.serving.client import benchmark
+from tinyserve.serving.histogram import Histogram
 from tinyserve.serving.live_diagnose import (NO_MAX_NUM_SEQS, SKIPPED_CROSSOVER, crossover_of,
                                              diagnose_under_load, window_summary)
 from tinyserve.serving.processes import ServerProcess
-from tinyserve.serving.scrape import Histogram, Window, metrics_url, parse_metrics
+from tinyserve.serving.scrape import Window, metrics_url, parse_metrics
 from tinyserve.workload import make_workload
 
 TTFT_SLO, TPOT_SLO = 0.5, 0.05
