@@ -90,6 +90,16 @@ def test_unchunked_long_prompts_are_not_overload(engine):
     assert not d.action.startswith("add capacity") and "more replicas would not help" in d.action
 
 
+def test_both_missing_without_a_queue_or_stalls_is_slow_steps_not_long_prompts():
+    summary = {"p99_ttft": 0.9, "p99_tpot": 0.06, "mean_ttft": 0.5, "mean_queue_time": 0.01,
+               "median_itl": 0.055, "p99_itl": 0.07, "mean_batch_size": 200.0}
+    d = diagnose(summary, 0.5, 0.05, crossover=153.0, max_num_seqs=256)
+    assert d.stage == "decode" and "every step is slow" in d.finding, str(d)
+    assert d.action.startswith("lower max_num_seqs toward the crossover")
+    stalled = diagnose(summary | {"p99_itl": 0.6}, 0.5, 0.05, crossover=153.0, max_num_seqs=256)
+    assert stalled.stage == "prefill" and "chunked prefill" in stalled.action
+
+
 # ---- 3. stalls without a queue -------------------------------------------------------------------
 
 @pytest.mark.parametrize("engine", LOAD_ENGINES)

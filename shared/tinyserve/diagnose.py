@@ -6,7 +6,7 @@
    spike is an unchunked long prompt); TPOT slow alone → decode steps (stalled by
    prefills, too large a batch, or the bandwidth floor); both → overload when a
    queue is what TTFT waits for (add capacity or rate-limit), else long prompts
-   prefilled whole (chunk them). When the latencies hold (or nothing finished to
+   prefilled whole (chunk them), or, with even gaps, steps that are all slow. When the latencies hold (or nothing finished to
    measure them) but the queue grows, either faster than completions or while the
    batch sits at its cap (``arrival_rate``, ``request_throughput``,
    ``queue_growth_rate``, ``max_num_seqs``), that is overload too, only just
@@ -168,6 +168,23 @@ def long_prompts(f: Facts) -> Diagnosis:
                      "so that a long prompt is prefilled in pieces between decode steps; more replicas would not "
                      "help, nothing is waiting (打开分块预填充或减小 token 预算；加副本没用，并没有请求在排队)",
                      f.evidence, REST, f.unknown)
+
+
+def slow_steps(f: Facts) -> Diagnosis:
+    """Both miss, nothing queues and the gaps are even: every step is slow, prefills and
+    decodes alike (too large a batch, or the hardware's floor)."""
+    if f.queue_share is not None:
+        f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = f.queue_share
+    f.add(("max_queue_length", "median_itl", "p99_itl", "mean_step_time"))
+    f.add_spike()
+    f.add_batch()
+    past = f.batch is not None and f.crossover is not None and f.batch > f.crossover
+    action = ("lower max_num_seqs toward the crossover (把 max_num_seqs 调回交叉点附近)" if past else
+              "fewer/shorter contexts per step (lower max_num_seqs); if the steps are at the bandwidth floor, "
+              + MODEL_LEVERS)
+    return Diagnosis("decode", "首字和出字一起超标，却几乎不排队、出字间隔也没有尖峰：每一步本身就慢，预填充和解码一起慢"
+                     "(TTFT and TPOT both miss, yet almost nothing queues and the gaps are even: every step is "
+                     "slow, prefills and decodes alike).", action, f.evidence, REST[1:], f.unknown)
 
 
 def backlogged(f: Facts) -> Diagnosis:
@@ -376,7 +393,9 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover=None,
         return backlogged(facts) if facts.backlog else undetermined(facts, missing)
     ttft_slow, tpot_slow = ttft > ttft_slo, tpot == tpot and tpot > tpot_slo
     if ttft_slow and tpot_slow:
-        return overload(facts) if facts.queued or facts.backlog else long_prompts(facts)
+        if facts.queued or facts.backlog:
+            return overload(facts)
+        return slow_steps(facts) if facts.spike is not None and facts.spike < ITL_SPIKE else long_prompts(facts)
     if ttft_slow:
         return slow_first_token(facts)
     if tpot_slow:
