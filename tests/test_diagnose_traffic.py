@@ -119,6 +119,8 @@ def test_a_new_process_start_time_is_a_restart_of_the_whole_server(clock):
     result = live(first, new.text())
     assert result.summary["completed"] == 500
     assert any("the whole server" in n and "process_start_time_seconds" in n for n in result.notes)
+    # The 40 the old process held were lost with it: arrivals are the 500 served and the 40 held now.
+    assert result.summary["arrival_rate"] == pytest.approx((500 + 40) / 60)
 
 
 def test_scrapes_in_the_wrong_order_are_named_by_their_timestamps(clock, tmp_path):

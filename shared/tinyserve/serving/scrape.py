@@ -448,11 +448,12 @@ class Window:
             return f"{self.dialect.engine} exports no {ROLES[role][1]}"
         return f"metric {tried} not exported"
 
-    def level(self, series: list, role: str) -> float | None:
+    def level(self, series: list, role: str) -> float:
+        """Summed over the series, or averaged for a fraction (NaN with no series left)."""
         values = [v for _, v in series]
-        if not values:
-            return None
-        return sum(values) / len(values) if role in FRACTIONS else sum(values)
+        if role in FRACTIONS:
+            return sum(values) / len(values) if values else math.nan
+        return sum(values)
 
     def gauge(self, role: str, surviving: bool = False) -> tuple | None:
         """(value at the first scrape, value at the second), or None if not exported. An
@@ -468,8 +469,7 @@ class Window:
         if not surviving:
             first += [(labels, v) for labels, v in after if self.restarts.covers(labels)]
         level = self.level(after, role)
-        start = self.level(first, role) if before else level
-        return (level if start is None else start), level
+        return (self.level(first, role) if before else level), level     # a gauge new in the window: flat
 
     def delta(self, role: str, where=None) -> float | None:
         """A counter's increase over the window, or None if not exported; ``where``
