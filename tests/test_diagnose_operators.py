@@ -316,6 +316,15 @@ AT = partial(crossover_batch, A100_SXM_80GB, LLAMA_7B, "fp16")
 SLOW_DECODE = {"p99_ttft": 0.2, "p99_tpot": 0.04, "median_itl": 0.03, "p99_itl": 0.05, "mean_batch_size": 168.0}
 
 
+@pytest.mark.parametrize("context", [0, 20, 80, 120])
+def test_the_context_aware_crossover_is_where_memory_and_compute_take_equally_long(context):
+    batch = AT(context)
+    memory = decode_step_bytes(LLAMA_7B, batch, "fp16", context) / A100_SXM_80GB.memory_bandwidth
+    compute = decode_step_flops(LLAMA_7B, batch, context) / A100_SXM_80GB.peak_flops("fp16")
+    assert memory == pytest.approx(compute, rel=1e-9)
+    assert AT(context) >= AT(0)
+
+
 def test_a_batch_past_153_with_long_contexts_is_memory_bound():
     # 168 requests at 160 tokens of context: KV reads about as long as the weight read, and
     # the two together outlast the compute.
