@@ -11,6 +11,11 @@ diagnosis that forgot to subtract the first scrape would see it.
 
     .venv/bin/python tests/metric_fixtures.py      # rewrite tests/fixtures/metrics/
 
+Engines: vLLM's v0.12 names (``vllm``), the v0.11 line (``vllm-0.11``: no per-request
+TPOT histogram, the per-token gaps under both names), the v0.8 line (``vllm-0.8``);
+SGLang (its scheduler's gauges and retractions labelled ``engine_type``, ``tp_rank``,
+``pp_rank``) and its older exposition (``sglang-old``).
+
 Scenarios (values chosen for an A100 serving a 7B model: crossover 153, SLOs
 TTFT 0.5 s and TPOT 0.05 s), one request at a time: its TTFT, its inter-token
 gaps (TPOT is their mean, E2E is TTFT + their sum), its queue time and lengths:
@@ -36,6 +41,10 @@ import numpy as np
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tinyserve.serving.histogram import Histogram as ScrapedHistogram
+from tinyserve.serving.live_diagnose import diagnose_window
+from tinyserve.serving.scrape import Window, histograms_by_series, parse_metrics
+
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 WINDOW = 60.0
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -48,6 +57,7 @@ VLLM_TOKEN = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
               10.0, 20.0, 40.0, 80.0]
 VLLM_REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_STEP_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SGLANG_TTFT = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
 SGLANG_E2E = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
               1800, 2400]
@@ -73,6 +83,13 @@ class Engine:
     histograms: dict                  # role -> (name, buckets)
     finished_reasons: tuple = ()      # vLLM labels request_success by finished_reason
     scenarios: tuple = ()             # () = all of them
+    rank_labels: dict = field(default_factory=dict)   # what the scheduler's metrics add (SGLang: its ranks)
+
+
+#: Roles an SGLang scheduler reports (with its rank labels); its tokenizer manager reports the rest.
+SCHEDULER_ROLES = {"running", "waiting", "kv_usage", "prefix_hit_rate", "preemptions"}
+SGLANG_LABELS = {"model_name": MODEL, "engine_type": "unified"}
+SGLANG_RANKS = {"tp_rank": "0", "pp_rank": "0"}
 
 
 # The HELP text of each metric, as the engines document them.
@@ -89,13 +106,16 @@ DOCS = {
     "preemptions": "Cumulative number of preemption from the engine.",
     "ttft": "Histogram of time to first token in seconds.",
     "itl": "Histogram of inter-token latency in seconds.",
+    "itl_deprecated": "Histogram of time per output token in seconds. DEPRECATED: Use "
+                      "vllm:inter_token_latency_seconds instead.",
     "tpot": "Histogram of time_per_output_token_seconds per request.",
     "e2e": "Histogram of e2e request latency in seconds.",
     "queue_time": "Histogram of time spent in WAITING phase for request.",
+    "step_tokens": "Histogram of number of tokens per engine_step.",
 }
 
 
-VLLM = Engine(  # vllm/v1/metrics/loggers.py, the v0.11+ names
+VLLM = Engine(  # vllm/v1/metrics/loggers.py, the v0.12 names: a per-request TPOT histogram
     "vllm", {"model_name": MODEL, "engine": "0"},
     gauges={"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
             "kv_usage": "vllm:kv_cache_usage_perc"},
@@ -106,8 +126,24 @@ VLLM = Engine(  # vllm/v1/metrics/loggers.py, the v0.11+ names
                 "itl": ("vllm:inter_token_latency_seconds", VLLM_TOKEN),
                 "tpot": ("vllm:request_time_per_output_token_seconds", VLLM_TOKEN),
                 "e2e": ("vllm:e2e_request_latency_seconds", VLLM_REQUEST),
-                "queue_time": ("vllm:request_queue_time_seconds", VLLM_REQUEST)},
+                "queue_time": ("vllm:request_queue_time_seconds", VLLM_REQUEST),
+                "step_tokens": ("vllm:iteration_tokens_total", VLLM_STEP_TOKENS)},
     finished_reasons=("stop", "length", "abort"))
+
+VLLM_0_11 = Engine(  # the v0.11 line: inter_token_latency_seconds, and the same gaps under the old
+    # name time_per_output_token_seconds (deprecated); no per-request TPOT histogram yet
+    "vllm-0.11", {"model_name": MODEL, "engine": "0"},
+    gauges={"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+            "kv_usage": "vllm:kv_cache_usage_perc"},
+    counters={"finished": "vllm:request_success", "prompt_tokens": "vllm:prompt_tokens",
+              "generation_tokens": "vllm:generation_tokens", "prefix_queries": "vllm:prefix_cache_queries",
+              "prefix_hits": "vllm:prefix_cache_hits", "preemptions": "vllm:num_preemptions"},
+    histograms={"ttft": ("vllm:time_to_first_token_seconds", VLLM_TTFT),
+                "itl": ("vllm:inter_token_latency_seconds", VLLM_TOKEN),
+                "itl_deprecated": ("vllm:time_per_output_token_seconds", VLLM_TOKEN),
+                "e2e": ("vllm:e2e_request_latency_seconds", VLLM_REQUEST),
+                "queue_time": ("vllm:request_queue_time_seconds", VLLM_REQUEST)},
+    finished_reasons=("stop", "length", "abort"), scenarios=("overload", "long_prompts_unchunked"))
 
 VLLM_0_8 = Engine(  # the same file at a6f0308 (v0.8): gpu_* names, TPOT observed per token
     "vllm-0.8", {"model_name": MODEL, "engine": "0"},
@@ -124,7 +160,7 @@ VLLM_0_8 = Engine(  # the same file at a6f0308 (v0.8): gpu_* names, TPOT observe
     finished_reasons=("stop", "length", "abort"), scenarios=("overload", "long_prompts_unchunked"))
 
 SGLANG = Engine(  # python/sglang/srt/metrics/collector.py at 00ae9c1
-    "sglang", {"model_name": MODEL},
+    "sglang", SGLANG_LABELS,
     gauges={"running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
             "kv_usage": "sglang:token_usage", "prefix_hit_rate": "sglang:cache_hit_rate"},
     counters={"finished": "sglang:num_requests_total", "prompt_tokens": "sglang:prompt_tokens_total",
@@ -133,10 +169,11 @@ SGLANG = Engine(  # python/sglang/srt/metrics/collector.py at 00ae9c1
     histograms={"ttft": ("sglang:time_to_first_token_seconds", SGLANG_TTFT),
                 "itl": ("sglang:inter_token_latency_seconds", SGLANG_ITL),
                 "e2e": ("sglang:e2e_request_latency_seconds", SGLANG_E2E),
-                "queue_time": ("sglang:queue_time_seconds", SGLANG_QUEUE)})
+                "queue_time": ("sglang:queue_time_seconds", SGLANG_QUEUE)},
+    rank_labels=SGLANG_RANKS)
 
 SGLANG_OLD = Engine(  # the older exposition of docs/references/production_metrics.md (40ef116)
-    "sglang-old", {"model_name": MODEL},
+    "sglang-old", SGLANG_LABELS,
     gauges={"running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
             "kv_usage": "sglang:token_usage", "prefix_hit_rate": "sglang:cache_hit_rate"},
     counters={"prompt_tokens": "sglang:prompt_tokens_total",
@@ -144,9 +181,9 @@ SGLANG_OLD = Engine(  # the older exposition of docs/references/production_metri
     histograms={"ttft": ("sglang:time_to_first_token_seconds", SGLANG_OLD_TTFT),
                 "itl": ("sglang:time_per_output_token_seconds", SGLANG_OLD_TOKEN),
                 "e2e": ("sglang:e2e_request_latency_seconds", SGLANG_OLD_E2E)},
-    scenarios=("overload", "long_prompts_unchunked"))
+    scenarios=("overload", "long_prompts_unchunked"), rank_labels=SGLANG_RANKS)
 
-ENGINES = {e.name: e for e in (VLLM, VLLM_0_8, SGLANG, SGLANG_OLD)}
+ENGINES = {e.name: e for e in (VLLM, VLLM_0_11, VLLM_0_8, SGLANG, SGLANG_OLD)}
 
 
 # ---- scenarios ---------------------------------------------------------------------------
@@ -198,29 +235,34 @@ class Server:
     def __init__(self, engine: Engine):
         self.engine, self.registry = engine, CollectorRegistry()
         names = list(engine.labels)
-        self.gauges = {r: Gauge(n, DOCS[r], names, registry=self.registry) for r, n in engine.gauges.items()}
-        self.counters = {r: Counter(n, DOCS[r], names + (["finished_reason"] if r == "finished"
-                                                         and engine.finished_reasons else []),
+        self.gauges = {r: Gauge(n, DOCS[r], list(self.labels_of(r)), registry=self.registry)
+                       for r, n in engine.gauges.items()}
+        self.counters = {r: Counter(n, DOCS[r], list(self.labels_of(r)) + (["finished_reason"] if r == "finished"
+                                                                             and engine.finished_reasons else []),
                                     registry=self.registry)
                          for r, n in engine.counters.items()}
         self.histograms = {r: Histogram(n, DOCS[r], names, buckets=b, registry=self.registry)
                            for r, (n, b) in engine.histograms.items()}
         for reason in engine.finished_reasons:      # vLLM creates every reason's series up front
-            self.label(self.counters["finished"], finished_reason=reason)
+            self.label(self.counters["finished"], "finished", finished_reason=reason)
 
-    def label(self, metric, **extra):
-        return metric.labels(**self.engine.labels, **extra)
+    def labels_of(self, role: str) -> dict:
+        return self.engine.labels | (self.engine.rank_labels if role in SCHEDULER_ROLES else {})
+
+    def label(self, metric, role: str = "", **extra):
+        return metric.labels(**self.labels_of(role), **extra)
 
     def inc(self, role: str, amount: float, **extra) -> None:
         if role in self.counters:
-            self.label(self.counters[role], **extra).inc(amount)
+            self.label(self.counters[role], role, **extra).inc(amount)
 
     def observe(self, role: str, values) -> None:
         self.log.setdefault(role, []).extend(np.atleast_1d(values).tolist())
-        if role in self.histograms:
-            h = self.label(self.histograms[role])
-            for v in np.atleast_1d(values):
-                h.observe(float(v))
+        for each in (role, "itl_deprecated") if role == "itl" else (role,):    # vLLM 0.11 writes both
+            if each in self.histograms:
+                h = self.label(self.histograms[each])
+                for v in np.atleast_1d(values):
+                    h.observe(float(v))
 
     def serve(self, s: Scenario) -> None:
         """Finish ``s.requests`` requests of scenario ``s``; ``log`` keeps what they were."""
@@ -251,7 +293,7 @@ class Server:
     def scrape(self, s: Scenario, which: int) -> str:
         for role, gauge in self.gauges.items():
             level = s.hit_share if role == "prefix_hit_rate" else getattr(s, role)[which]
-            self.label(gauge).set(level)
+            self.label(gauge, role).set(level)
         # Without the *_created timestamps, so that the files are reproducible.
         prometheus_client.disable_created_metrics()
         try:
@@ -275,6 +317,21 @@ def serve(engine: str, scenario: str) -> tuple[str, str, dict]:
     first, second = (HEADER.format(engine=engine, scenario=scenario, n=n, window=WINDOW) + text
                      for n, text in ((1, first), (2, second)))
     return first, second, server.log
+
+
+def diagnose_texts(before: str, after: str, seconds: float, model: str | None = None,
+                   sources: tuple = ("the first scrape", "the second scrape"), **knobs):
+    """Two scrapes held as Prometheus text, ``seconds`` apart; ``sources`` name them in errors."""
+    first, second = (parse_metrics(text, source) for text, source in zip((before, after), sources))
+    return diagnose_window(Window(first, second, seconds, model), **knobs)
+
+
+def histogram_of(text: str, name: str) -> ScrapedHistogram:
+    """Every series of histogram ``name`` in a scrape, added up."""
+    total = None
+    for h in histograms_by_series(parse_metrics(text), name, None).values():
+        total = h if total is None else total.plus(h, name)
+    return total
 
 
 def build(engine: str, scenario: str) -> tuple[str, str]:

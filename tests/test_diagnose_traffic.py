@@ -1,12 +1,9 @@
 """`tinyserve diagnose` on real traffic shapes (issue 28 §1).
 
-Every scrape here is made the way the engine makes it: the metric definitions of
-vLLM's ``loggers.py`` and SGLang's ``collector.py`` (names, types, labels, bucket
-bounds; ``metric_fixtures.ENGINES``, plus the KV-connector and abort counters
-below) registered in a ``prometheus_client`` registry, fed requests, and written
-by ``generate_latest()``, ``_created`` series included. A fake clock stands in
-for ``prometheus_client``'s ``time.time()`` so that a restart's timestamps are
-known. Before each window the server has served calm traffic.
+Every scrape here is made the way the engine makes it (``traffic.Server``: the
+engine's metric definitions in a ``prometheus_client`` registry, fed requests),
+with a fake clock for the ``_created`` timestamps. Before each window the server
+has served calm traffic.
 """
 
 import gzip
@@ -19,164 +16,18 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 import metric_fixtures as mf
 from tinyserve.cli import main
 from tinyserve.serving import scrape
-from tinyserve.serving.live_diagnose import diagnose_texts
 from tinyserve.serving.scrape import fetch_metrics, parse_metrics
-
-TTFT_SLO, TPOT_SLO = 0.5, 0.05
-CROSSOVER = 153.0
-START = 1.75e9                          # the fake clock's first reading (unix seconds)
-
-# vLLM's KV-connector reuse (vllm/v1/metrics/loggers.py, PrometheusStatLogger) and
-# SGLang's aborts (python/sglang/srt/metrics/collector.py, TokenizerMetricsCollector).
-VLLM_REUSE = {
-    "external_queries": ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV "
-                         "connector cross-instance cache sharing, in terms of number of queried tokens.", []),
-    "external_hits": ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
-                      "cross-instance cache sharing, in terms of number of cached tokens.", []),
-    "prompt_by_source": ("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"]),
-    "cached_prompt_tokens": ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-                             []),
-}
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-SGLANG_ABORTS = {"aborted": ("sglang:num_aborted_requests_total", "Number of requests aborted.", [])}
-
-
-@pytest.fixture(autouse=True)
-def clock(monkeypatch):
-    """prometheus_client's clock (it stamps each series' ``_created``), moved by hand."""
-    now = [START]
-    monkeypatch.setattr(prometheus_client.metrics, "time", types.SimpleNamespace(time=lambda: now[0]))
-    return now
-
-
-class ProcessStart:
-    """The ``process_start_time_seconds`` of prometheus_client's process collector, fixed."""
-    def __init__(self, start: float):
-        self.start = start
-
-    def collect(self):
-        yield GaugeMetricFamily("process_start_time_seconds",
-                                "Start time of the process since unix epoch in seconds.", value=self.start)
-
-
-class Server:
-    """One engine version's /metrics (``metric_fixtures.ENGINES``), for engine indexes
-    ``engines``; ``extra`` adds counters (role -> (name, help, extra label names))."""
-
-    def __init__(self, engine: str, engines=("0",), model=mf.MODEL, extra=None, process_start=None):
-        self.d, self.model, self.engines = mf.ENGINES[engine], model, engines
-        self.registry, self.metrics, self.extra_labels = CollectorRegistry(), {}, {}
-        names = list(self.d.labels)
-        for role, name in self.d.gauges.items():
-            self.metrics[role] = Gauge(name, mf.DOCS[role], names, registry=self.registry)
-        for role, name in self.d.counters.items():
-            more = ["finished_reason"] if role == "finished" and self.d.finished_reasons else []
-            self.metrics[role] = Counter(name, mf.DOCS[role], names + more, registry=self.registry)
-        for role, (name, buckets) in self.d.histograms.items():
-            self.metrics[role] = Histogram(name, mf.DOCS[role], names, buckets=buckets, registry=self.registry)
-        for role, (name, doc, more) in (extra or {}).items():
-            self.metrics[role] = Counter(name, doc, names + more, registry=self.registry)
-        if process_start is not None:      # prometheus_client's process collector, as a fixed gauge
-            self.registry.register(ProcessStart(process_start))
-        for idx in engines:
-            self.create(idx)
-
-    def labels(self, idx) -> dict:
-        labels = dict(self.d.labels, model_name=self.model)
-        return labels | ({"engine": idx} if "engine" in labels else {})
-
-    def create(self, idx) -> None:
-        """Series an engine creates at start (vLLM: every finished_reason, every source)."""
-        for reason in self.d.finished_reasons:
-            self.metrics["finished"].labels(**self.labels(idx), finished_reason=reason)
-        if "prompt_by_source" in self.metrics:
-            for source in SOURCES:
-                self.metrics["prompt_by_source"].labels(**self.labels(idx), source=source)
-
-    def restart(self, idx) -> None:
-        """Engine ``idx`` starts again: its series are removed and made anew."""
-        for role, metric in self.metrics.items():
-            base = list(self.labels(idx).values())
-            extra = ([(r,) for r in self.d.finished_reasons] if role == "finished" and self.d.finished_reasons
-                     else [(s,) for s in SOURCES] if role == "prompt_by_source" else [()])
-            for more in extra:
-                try:
-                    metric.remove(*base, *more)
-                except KeyError:
-                    pass
-        self.create(idx)
-
-    def inc(self, role, amount, idx="0", **extra):
-        if role in self.metrics and amount:
-            self.metrics[role].labels(**self.labels(idx), **extra).inc(amount)
-
-    def observe(self, role, values, idx="0"):
-        if role in self.metrics:
-            child = self.metrics[role].labels(**self.labels(idx))
-            for v in np.atleast_1d(values):
-                child.observe(float(v))
-
-    def finish(self, n, idx="0", seed=0, ttft=(0.12, 0.35), gap=(0.022, 0.15), ttft_max=0.38, hit_share=0.5,
-               prompts=True):
-        """``n`` requests finish on engine ``idx`` (``prompts``: and count their prompt
-        tokens); returns their per-request TPOTs and gaps."""
-        rng = np.random.default_rng(seed)
-        tpots, all_gaps = [], []
-        for _ in range(n):
-            prompt, output = int(rng.integers(100, 800)), int(rng.integers(60, 200))
-            first = min(rng.lognormal(np.log(ttft[0]), ttft[1]), ttft_max)
-            gaps = rng.lognormal(np.log(gap[0]), gap[1], output - 1)
-            tpots.append(gaps.mean())
-            all_gaps.extend(gaps)
-            for role, values in (("ttft", first), ("itl", gaps), ("tpot", gaps.mean()),
-                                 ("e2e", first + gaps.sum()), ("queue_time", 0.1 * first)):
-                self.observe(role, values, idx)
-            extra = {"finished_reason": "stop"} if self.d.finished_reasons else {}
-            self.inc("finished", 1, idx, **extra)
-            self.inc("generation_tokens", output, idx)
-            if prompts:
-                self.inc("prompt_tokens", prompt, idx)
-                self.inc("prefix_queries", prompt, idx)
-                self.inc("prefix_hits", round(hit_share * prompt), idx)
-        return np.array(tpots), np.array(all_gaps)
-
-    def level(self, role, value, idx="0"):
-        if role in self.metrics:
-            self.metrics[role].labels(**self.labels(idx)).set(value)
-
-    def levels(self, running, waiting, kv=0.4, idx="0"):
-        self.level("running", running, idx)
-        self.level("waiting", waiting, idx)
-        self.level("kv_usage", kv, idx)
-        self.level("prefix_hit_rate", 0.5, idx)
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
-
-
-def calm(server, idx="0", seed=99):
-    server.finish(300, idx, seed=seed)
-    server.levels(40, 0, idx=idx)
-
-
-def live(first, second, seconds=mf.WINDOW, **knobs):
-    knobs = {"ttft_slo": TTFT_SLO, "tpot_slo": TPOT_SLO, "crossover": CROSSOVER, "max_num_seqs": 256} | knobs
-    return diagnose_texts(first, second, seconds, sources=("before.prom", "after.prom"), **knobs)
-
-
-LOAD_ENGINES = ["vllm", "vllm-0.8", "sglang"]      # sglang-old exports no finished-requests counter
+from traffic import (CROSSOVER, LOAD_ENGINES, SGLANG_ABORTS, SOURCES, START, TPOT_SLO, TTFT_SLO,  # noqa: F401
+                     VLLM_REUSE, Server, calm, clock, http_server, live)  # clock, http_server: fixtures
 
 
 # ---- 1, 2: a queue that grows is overload, whatever the latency of what finished ------------
@@ -268,6 +119,8 @@ def test_a_new_process_start_time_is_a_restart_of_the_whole_server(clock):
     result = live(first, new.text())
     assert result.summary["completed"] == 500
     assert any("the whole server" in n and "process_start_time_seconds" in n for n in result.notes)
+    # The 40 the old process held were lost with it: arrivals are the 500 served and the 40 held now.
+    assert result.summary["arrival_rate"] == pytest.approx((500 + 40) / 60)
 
 
 def test_scrapes_in_the_wrong_order_are_named_by_their_timestamps(clock, tmp_path):
@@ -528,22 +381,6 @@ class Big(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
-
-
-@pytest.fixture
-def http_server():
-    servers = []
-
-    def start(handler):
-        server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.parametrize("path", ["", "/headers"])

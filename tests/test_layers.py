@@ -23,9 +23,9 @@ PACKAGE = Path(tinyserve.__file__).parent
 # core) and the model (kernels -> model -> compiled_step -> packed_gemm -> executor);
 # checkpoint (the file format) sits on the model, never under it.
 CORE_ROWS = [
-    ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose", "routing",
+    ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose_facts", "routing",
      "tokenizer", "chat_template", "kernels"],                    # import nothing of ours
-    ["policies", "measure", "hf_tokenizer"],
+    ["policies", "measure", "hf_tokenizer", "diagnose"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],

@@ -18,10 +18,11 @@ import metric_fixtures as mf
 from tinyserve.cli import main
 from tinyserve.hardware import A100_SXM_80GB, LLAMA_7B, crossover_batch
 from tinyserve.serving.client import benchmark
+from tinyserve.serving.histogram import Histogram
 from tinyserve.serving.live_diagnose import (NO_MAX_NUM_SEQS, SKIPPED_CROSSOVER, crossover_of,
-                                             diagnose_texts, diagnose_under_load, window_summary)
+                                             diagnose_under_load, window_summary)
 from tinyserve.serving.processes import ServerProcess
-from tinyserve.serving.scrape import Histogram, Window, metrics_url, parse_metrics, read_histogram
+from tinyserve.serving.scrape import Window, metrics_url, parse_metrics
 from tinyserve.workload import make_workload
 
 TTFT_SLO, TPOT_SLO = 0.5, 0.05
@@ -35,7 +36,7 @@ def knobs_of(scenario):
 
 def live_of(engine, scenario, **extra):
     before, after = (p.read_text() for p in mf.paths(engine, scenario))
-    return diagnose_texts(before, after, mf.WINDOW, ttft_slo=TTFT_SLO, tpot_slo=TPOT_SLO,
+    return mf.diagnose_texts(before, after, mf.WINDOW, ttft_slo=TTFT_SLO, tpot_slo=TPOT_SLO,
                           **(knobs_of(scenario) | extra))
 
 
@@ -100,7 +101,7 @@ def test_histogram_quantiles_of_a_real_prometheus_client_histogram_agree_with_nu
     h = PromHistogram("x_seconds", "x", buckets=mf.VLLM_TOKEN, registry=registry)
     for v in values:
         h.observe(v)
-    hist = read_histogram(parse_metrics(generate_latest(registry).decode()), "x_seconds", None)
+    hist = mf.histogram_of(generate_latest(registry).decode(), "x_seconds")
     assert hist.count == len(values) and hist.mean == pytest.approx(values.mean())
     for q in (0.1, 0.5, 0.9, 0.99):
         assert_same_bucket(hist.quantile(q), np.quantile(values, q, method="inverted_cdf"), mf.VLLM_TOKEN)
@@ -123,7 +124,7 @@ def test_older_vllm_names_are_found_and_named():
     live = live_of("vllm-0.8", "overload")
     assert live.sources["kv_usage"].startswith("vllm:gpu_cache_usage_perc (vLLM < 0.10")
     assert live.sources["prefix_hits"].startswith("vllm:gpu_prefix_cache_hits_total")
-    assert live.sources["itl"].startswith("vllm:time_per_output_token_seconds (vLLM < 0.11")
+    assert live.sources["itl"].startswith("vllm:time_per_output_token_seconds (the per-token gaps' name before 0.11")
     assert live.sources["tpot"].startswith("stand-in: vllm:time_per_output_token_seconds")
     # Mean with mean: the mean gap is the token-weighted mean TPOT; a p99 of gaps is no p99 of TPOT.
     assert live.summary["mean_tpot"] == live.summary["mean_itl"]
@@ -131,6 +132,11 @@ def test_older_vllm_names_are_found_and_named():
     new = live_of("vllm", "overload")
     assert new.sources["tpot"].startswith("vllm:request_time_per_output_token_seconds")
     assert new.sources["itl"].startswith("vllm:inter_token_latency_seconds")
+    # v0.11 exports the gaps under both names and no per-request TPOT: the new name, and the stand-in.
+    v011 = live_of("vllm-0.11", "overload")
+    assert v011.sources["itl"].startswith("vllm:inter_token_latency_seconds")
+    assert v011.sources["tpot"].startswith("stand-in: vllm:inter_token_latency_seconds")
+    assert v011.diagnosis.stage == new.diagnosis.stage == "overload"
 
 
 def test_what_a_dialect_lacks_is_stated_not_guessed():
@@ -147,7 +153,7 @@ def test_what_a_dialect_lacks_is_stated_not_guessed():
 def test_without_the_gpu_and_model_the_crossover_step_is_skipped_with_a_line():
     knobs = knobs_of("batch_too_small") | {"crossover": None, "crossover_note": None}
     before, after = (p.read_text() for p in mf.paths("vllm", "batch_too_small"))
-    live = diagnose_texts(before, after, mf.WINDOW, ttft_slo=TTFT_SLO, tpot_slo=TPOT_SLO, **knobs)
+    live = mf.diagnose_texts(before, after, mf.WINDOW, ttft_slo=TTFT_SLO, tpot_slo=TPOT_SLO, **knobs)
     assert live.crossover == SKIPPED_CROSSOVER
     assert f"crossover: unknown ({SKIPPED_CROSSOVER})" in str(live.diagnosis)
     # Without the crossover it cannot blame the batch: the generic capacity advice.
@@ -161,8 +167,11 @@ def test_a_checkpoint_config_gives_the_same_crossover_as_the_preset(tmp_path):
               "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float16"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    value, note = crossover_of("A100_SXM_80GB", model_dir=str(tmp_path))
-    assert value == pytest.approx(crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16"))
+    at, note = crossover_of("A100_SXM_80GB", model_dir=str(tmp_path))
+    # The preset rounds the parameter count; KV reads make the crossover sensitive to it as
+    # they near the compute per request (and past it, no batch is compute-bound).
+    for context, rel in ((0, 1e-6), (20, 0.01), (1000, 0)):
+        assert at(context) == pytest.approx(crossover_batch(A100_SXM_80GB, LLAMA_7B, "fp16", context), rel=rel)
     assert note.startswith("A100-SXM4-80GB, ")
     assert crossover_of() is None
 

@@ -2,14 +2,23 @@
 
 1. Which stage is slow: ``{stat}_ttft`` against ``ttft_slo`` and ``{stat}_tpot``
    against ``tpot_slo`` (seconds). TTFT slow alone → queueing or prefill (told
-   apart by ``mean_queue_time / mean_ttft``); TPOT slow alone → decode steps
-   (stalled by prefills, too large a batch, or the bandwidth floor); both →
-   overload (queue length; add capacity or rate-limit). When the latencies hold
-   (or nothing finished to measure them) but requests arrive faster than they
-   finish and the queue grows (``arrival_rate``, ``request_throughput``,
-   ``queue_growth_rate``), that is overload too, only just starting or a wedged
-   server: a queued request is in no latency histogram until it is served.
+   apart by ``mean_queue_time / mean_ttft``; a prefill whose inter-token gaps
+   spike is an unchunked long prompt); TPOT slow alone → decode steps (stalled by
+   prefills, too large a batch, or the bandwidth floor); both → overload when a
+   queue is what TTFT waits for (add capacity or rate-limit), else long prompts
+   prefilled whole (chunk them), or, with even gaps, steps that are all slow. When the latencies hold (or nothing finished to
+   measure them) but the queue grows, either faster than completions or while the
+   batch sits at its cap (``arrival_rate``, ``request_throughput``,
+   ``queue_growth_rate``, ``max_num_seqs``), that is overload too, only just
+   starting or a wedged server: a queued request is in no latency histogram until
+   it is served. Before all of this: a window with no tokens at all is idle (no
+   traffic: nothing to judge) or, with requests held, a stalled server.
 2. Batch size: ``mean_batch_size`` against ``crossover`` and ``max_num_seqs``.
+   The crossover may be a function of the context length (``hardware.crossover_batch``
+   with the hardware and model bound): KV reads grow with context, so a batch past
+   the weights-only crossover can still be memory-bound; it is read at the
+   summary's ``mean_context_len``. A queue while seats and KV are free, with every
+   step at the same token count (``step_share_at_ceiling``), is the token budget.
 3. Prefix cache: ``prefix_cache_hit_rate`` against ``prefix_share`` (the share of
    prompt tokens you expect to be a reusable prefix) and the ``routing`` policy.
 4. Only then model-level levers (quantization, speculative decoding, parallelism).
@@ -29,19 +38,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tinyserve.diagnose_facts import (ARRIVAL_EXCESS, ITL_SPIKE, LOAD_KEYS, MEMORY_KEYS, OPTIONAL_KEYS,
+                                      QUEUE_ABSORBS, QUEUE_SHARE, Facts, check_knobs, check_unknown, no_tokens,
+                                      number, positive, resolve_crossover)
+
 #: Every stage ``diagnose`` may return, in the order it looks; "unknown" when the
 #: TTFT or TPOT percentile it starts from is not known.
-STAGES = ("overload", "queueing", "prefill", "decode", "batch", "cache", "healthy", "unknown")
+STAGES = ("idle", "stalled", "overload", "queueing", "prefill", "decode", "batch", "cache", "healthy",
+          "unknown")
 STATS = ("mean", "median", "p99")
-
-# Thresholds (documented, returned in the evidence so a reader sees the rule applied).
-QUEUE_SHARE = 0.5        # queueing dominates TTFT when queue time is at least this share of it
-ITL_SPIKE = 6.0          # p99 ITL this many times the median ITL: decodes are being stalled
-BATCH_CAPPED = 0.75      # mean batch >= this share of max_num_seqs: the cap is binding
-SMALL_BATCH = 0.5        # a capped batch below this share of the crossover amortises poorly
-CACHE_MISS = 0.5         # hit rate below this share of the expected prefix share: reuse is lost
-ARRIVAL_EXCESS = 1.2     # arrivals at least this many times completions ...
-QUEUE_ABSORBS = 0.1      # ... and the queue takes at least this share of arrivals: a backlog builds
 
 MODEL_LEVERS = ("model-level levers, only now (模型层面的手段，最后才看): quantization (量化), "
                 "speculative decoding (投机解码), tensor/pipeline parallelism (并行) — see the later chapters")
@@ -49,13 +54,6 @@ REST = ["batch size vs crossover (批大小对照交叉点)", "prefix-cache hit 
 STEP_2_3_KEYS = ("mean_batch_size", "crossover", "max_num_seqs", "prefix_cache_hit_rate", "prefix_share")
 CHUNK_NOTE = ("; inter-token gaps spike too, so also cap the prefill per step (enable_chunked_prefill, "
               "a smaller max_num_batched_tokens) (出字间隔也有尖峰：顺便打开分块预填充、减小 token 预算)")
-OPTIONAL_KEYS = ("mean_ttft", "mean_queue_time", "queue_length_at_start", "queue_length_at_end",
-                 "max_queue_length", "queue_growth_rate", "arrival_rate",
-                 "request_throughput", "median_itl", "p99_itl", "prefix_cache_hit_rate",
-                 "prefill_token_share", "mean_step_time", "mean_kv_usage", "num_preemptions")
-LOAD_KEYS = ("queue_length_at_start", "queue_length_at_end", "max_queue_length", "queue_growth_rate",
-             "arrival_rate", "request_throughput")
-MEMORY_KEYS = ("mean_kv_usage", "num_preemptions")   # a full KV cache preempts and caps the batch
 
 
 @dataclass
@@ -99,159 +97,48 @@ def format_value(value) -> str:
     return str(value)
 
 
-# ---- reading the inputs ----------------------------------------------------------------
-
-def number(summary: dict, key: str, required: bool = True) -> float | None:
-    if key not in summary:
-        if required:
-            raise ValueError(f"summary: missing key {key!r} (pass SimResult.summary(...) or summarize(...))")
-        return None
-    value = summary[key]
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"summary: {key!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def positive(name: str, value, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
-            or value != value or value == float("inf"):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def check_knobs(max_num_seqs, prefix_share, routing) -> None:
-    if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool)
-                                     or max_num_seqs < 1):
-        raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-    if prefix_share is not None and (not isinstance(prefix_share, (int, float)) or not 0 <= prefix_share <= 1):
-        raise ValueError(f"prefix_share must be in [0, 1], got {prefix_share!r}")
-    if routing is not None and not isinstance(routing, str):
-        raise ValueError(f"routing must be a policy name (str), got {routing!r}")
-
-
-@dataclass
-class Facts:
-    """The numbers of one summary and what follows from them; ``evidence`` grows as
-    the steps look at them, in the order they look."""
-    ttft: float
-    tpot: float
-    batch: float | None
-    crossover: float | None
-    max_num_seqs: int | None
-    prefix_share: float | None
-    routing: str | None
-    opt: dict
-    evidence: dict
-    unknown: dict = field(default_factory=dict)   # key -> why it is not known
-
-    @property
-    def capped(self) -> bool:
-        return (self.batch is not None and self.max_num_seqs is not None
-                and self.batch >= BATCH_CAPPED * self.max_num_seqs)
-
-    @property
-    def small(self) -> bool:
-        return self.batch is not None and self.crossover is not None and self.batch < SMALL_BATCH * self.crossover
-
-    @property
-    def raise_batch(self) -> str | None:
-        return ("raise max_num_seqs toward the crossover (把 max_num_seqs 调大，向交叉点靠拢)"
-                if self.capped and self.small else None)
-
-    @property
-    def hit(self) -> float | None:
-        return self.opt["prefix_cache_hit_rate"]
-
-    @property
-    def cache_lost(self) -> bool:
-        if self.prefix_share is None or self.prefix_share <= 0:
-            return False
-        if self.hit is None:        # never looked up counts as lost; not exported cannot be judged
-            return "prefix_cache_hit_rate" not in self.unknown
-        return self.hit < CACHE_MISS * self.prefix_share
-
-    @property
-    def fix_cache(self) -> str:
-        if self.routing is not None and self.routing != "cache_aware":
-            return "route cache-aware so each prefix lands where it is cached (改用缓存感知路由)"
-        return "enable_prefix_caching=True, and cache-aware routing across replicas (打开前缀缓存)"
-
-    @property
-    def free_capacity(self) -> str | None:
-        """Capacity the engine already has comes before buying more: first a batch capped
-        below the crossover, then prefills recomputed for lack of cache hits."""
-        if self.raise_batch:
-            return self.raise_batch
-        return self.fix_cache + " — prefill is being recomputed (预填充在重复计算)" if self.cache_lost else None
-
-    @property
-    def spike(self) -> float | None:
-        p99, median = self.opt["p99_itl"], self.opt["median_itl"]
-        return p99 / median if p99 is not None and median else None
-
-    @property
-    def itl_unknown(self) -> bool:
-        return self.spike is None and ("p99_itl" in self.unknown or "median_itl" in self.unknown)
-
-    @property
-    def queued(self) -> bool:
-        """Does the queue take most of TTFT? Without queue times, any request seen
-        waiting says yes; with no queue data at all, queueing is assumed."""
-        share = self.queue_share
-        if share is not None:
-            return share >= QUEUE_SHARE
-        waiting = self.opt["max_queue_length"]
-        return waiting is None or waiting >= 1
-
-    @property
-    def queue_share(self) -> float | None:
-        if self.opt["mean_queue_time"] is None or not self.opt["mean_ttft"]:
-            return None
-        return self.opt["mean_queue_time"] / self.opt["mean_ttft"]
-
-    def add(self, keys) -> None:
-        for key in keys:
-            if self.opt[key] is not None:
-                self.evidence[key] = self.opt[key]
-
-    def add_batch(self) -> None:
-        if self.batch is not None:
-            self.evidence["mean_batch_size"] = self.batch
-        if self.max_num_seqs is not None:
-            self.evidence[f"max_num_seqs (capped at >= {BATCH_CAPPED:.0%})"] = self.max_num_seqs
-        if self.crossover is not None:
-            self.evidence[f"crossover (small below {SMALL_BATCH:.0%})"] = self.crossover
-
-    def add_cache(self) -> None:
-        if self.prefix_share is not None and self.prefix_share > 0:
-            if self.hit is not None or "prefix_cache_hit_rate" not in self.unknown:
-                self.evidence[f"prefix_cache_hit_rate (low below {CACHE_MISS:.0%} of expected)"] = (
-                    self.hit if self.hit is not None else float("nan"))
-            self.evidence["expected prefix_share"] = self.prefix_share
-            if self.routing is not None:
-                self.evidence["routing"] = self.routing
-
-    def add_spike(self) -> None:
-        self.evidence[f"p99_itl / median_itl (stalls at >= {ITL_SPIKE:g})"] = self.spike
-
-    @property
-    def backlog(self) -> bool:
-        """Arrivals outpace completions and the queue takes up the difference."""
-        arrival, served, growth = (self.opt[k] for k in ("arrival_rate", "request_throughput",
-                                                         "queue_growth_rate"))
-        if arrival is None or served is None or growth is None or not arrival < float("inf"):
-            return False
-        return growth > 0 and arrival > ARRIVAL_EXCESS * served and growth >= QUEUE_ABSORBS * arrival
-
-
 # ---- the steps -------------------------------------------------------------------------
 
 ADD_CAPACITY = "add capacity (more replicas/GPUs) or rate-limit admissions (加容量：更多副本/卡；或者限流)"
 
 
+def idle(f: Facts) -> Diagnosis:
+    """Nothing finished, nothing was generated, nothing is held: there is nothing to judge."""
+    f.add(("request_throughput", "output_throughput") + LOAD_KEYS[:3])
+    f.add_batch()
+    return Diagnosis("idle", "这个窗口里没有流量：没有请求完成、没有生成 token、也没有请求在跑或排队，无从判断"
+                     "(no traffic in this window: nothing to judge).",
+                     "diagnose a window with traffic in it (send load, or widen the window) "
+                     "(换一个有流量的窗口再诊断)", f.evidence, [], f.unknown)
+
+
+def stalled(f: Facts) -> Diagnosis:
+    """Requests are held but not one token came out: the server is stuck, not slow."""
+    f.add(("output_throughput", "request_throughput") + LOAD_KEYS[:4] + MEMORY_KEYS)
+    f.add_batch()
+    return Diagnosis("stalled", "有请求在跑或在排队，整个窗口却一个 token 也没生成：服务器卡住了"
+                     "(requests are held but no token was generated in the whole window: the server is "
+                     "stalled, not slow).",
+                     "check the server itself: a hung step or collective, a dead worker, its logs; restart "
+                     "it if it does not recover (查服务器本身：卡死的一步、挂掉的 worker、日志)",
+                     f.evidence, REST, f.unknown)
+
+
+def token_budget(f: Facts) -> Diagnosis:
+    """Seats and KV free, a queue, every step the same size: the token budget throttles."""
+    f.add(("step_token_ceiling", "step_share_at_ceiling", "queue_length_at_end", "mean_kv_usage"))
+    f.add_batch()
+    return Diagnosis("batch", "请求在排队，座位和 KV 缓存却都空着，而每一步都停在同一个 token 数上：是每步的 "
+                     "token 预算卡住了准入"
+                     "(requests wait while seats and KV cache are free, and every step carries the same "
+                     "number of tokens: the per-step token budget throttles admission).",
+                     "raise --max-num-batched-tokens (SGLang: --chunked-prefill-size) before adding "
+                     "capacity (先调大每步的 token 预算，再考虑加容量)", f.evidence, REST[1:], f.unknown)
+
+
 def overload(f: Facts) -> Diagnosis:
+    if f.budget_bound:
+        return token_budget(f)
     f.add(LOAD_KEYS + MEMORY_KEYS)
     f.add_batch()
     f.add_cache()
@@ -260,17 +147,56 @@ def overload(f: Facts) -> Diagnosis:
         f.add_spike()
         if f.spike >= ITL_SPIKE and not f.free_capacity:
             action += CHUNK_NOTE
-    return Diagnosis("overload", "首字和出字一起超标，队列在变长：请求来得比处理得快（过载）"
-                     "(TTFT and TPOT both miss and the queue grows: requests arrive faster than they "
+    return Diagnosis("overload", "首字和出字一起超标，首字的时间花在排队上：请求来得比处理得快（过载）"
+                     "(TTFT and TPOT both miss and TTFT goes to the queue: requests arrive faster than they "
                      "are served).", action, f.evidence, REST, f.unknown)
+
+
+def long_prompts(f: Facts) -> Diagnosis:
+    """Both miss but TTFT is not spent queueing: whole long prefills delay first tokens and
+    stall the decodes sharing their steps. More replicas would not shorten a prefill."""
+    if f.queue_share is not None:
+        f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = f.queue_share
+    f.add(("max_queue_length", "queue_growth_rate", "prefill_token_share", "median_itl", "p99_itl"))
+    if f.spike is not None:
+        f.add_spike()
+    f.add_batch()
+    return Diagnosis("prefill", "首字和出字一起超标，却几乎不排队：长提示词整段预填充，既推迟了首字，又卡住了同一步里的解码"
+                     "(TTFT and TPOT both miss, yet almost nothing queues: long prompts prefilled whole delay "
+                     "first tokens and stall the decodes that share their steps).",
+                     "enable chunked prefill (vLLM --enable-chunked-prefill) or lower --max-num-batched-tokens, "
+                     "so that a long prompt is prefilled in pieces between decode steps; more replicas would not "
+                     "help, nothing is waiting (打开分块预填充或减小 token 预算；加副本没用，并没有请求在排队)",
+                     f.evidence, REST, f.unknown)
+
+
+def slow_steps(f: Facts) -> Diagnosis:
+    """Both miss, nothing queues and the gaps are even: every step is slow, prefills and
+    decodes alike (too large a batch, or the hardware's floor)."""
+    if f.queue_share is not None:
+        f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = f.queue_share
+    f.add(("max_queue_length", "median_itl", "p99_itl", "mean_step_time"))
+    f.add_spike()
+    f.add_batch()
+    past = f.batch is not None and f.crossover is not None and f.batch > f.crossover
+    action = ("lower max_num_seqs toward the crossover (把 max_num_seqs 调回交叉点附近)" if past else
+              "fewer/shorter contexts per step (lower max_num_seqs); if the steps are at the bandwidth floor, "
+              + MODEL_LEVERS)
+    return Diagnosis("decode", "首字和出字一起超标，却几乎不排队、出字间隔也没有尖峰：每一步本身就慢，预填充和解码一起慢"
+                     "(TTFT and TPOT both miss, yet almost nothing queues and the gaps are even: every step is "
+                     "slow, prefills and decodes alike).", action, f.evidence, REST[1:], f.unknown)
 
 
 def backlogged(f: Facts) -> Diagnosis:
     """Latency holds or is unknown, yet the queue grows: overload before it shows in the
     histograms (a queued request is observed only once served), or nothing is served."""
+    if f.budget_bound:
+        return token_budget(f)
     f.add(LOAD_KEYS)
-    f.evidence[f"rule: arrival_rate > {ARRIVAL_EXCESS:g} x request_throughput and queue_growth_rate >= "
-               f"{QUEUE_ABSORBS:.0%} of arrival_rate"] = "holds"
+    rule = ("the queue grows while the batch is at max_num_seqs" if f.growing_at_cap else
+            f"arrival_rate > {ARRIVAL_EXCESS:g} x request_throughput and queue_growth_rate >= "
+            f"{QUEUE_ABSORBS:.0%} of arrival_rate")
+    f.evidence[f"rule: {rule}"] = "holds"
     f.add(MEMORY_KEYS)
     f.add_batch()
     f.add_cache()
@@ -282,9 +208,11 @@ def backlogged(f: Facts) -> Diagnosis:
                          "again, add capacity or rate-limit admissions (先查服务器是否卡死，再加容量或限流)",
                          f.evidence, REST, f.unknown)
     action = f.free_capacity or ADD_CAPACITY
-    return Diagnosis("overload", "请求来得比完成得快，队列在变长：过载刚开始，排队的请求还没进入延迟直方图"
-                     "(requests arrive faster than they finish and the queue grows: overload is starting, "
-                     "and queued requests are not in the latency histograms yet).",
+    breach = f.add_breach()
+    zh, en = (("批已到上限，队列在变长", "the batch is at its cap and the queue grows") if f.growing_at_cap else
+              ("请求来得比完成得快，队列在变长", "requests arrive faster than they finish and the queue grows"))
+    return Diagnosis("overload", f"{zh}：过载刚开始，排队的请求还没进入延迟直方图{breach}"
+                     f"({en}: overload is starting, and queued requests are not in the latency histograms yet).",
                      action, f.evidence, REST, f.unknown)
 
 
@@ -294,6 +222,8 @@ def slow_first_token(f: Facts) -> Diagnosis:
         f.evidence[f"queue share of TTFT (queueing at >= {QUEUE_SHARE:.0%})"] = f.queue_share
     f.add(("max_queue_length", "queue_growth_rate"))
     if f.queued:
+        if f.budget_bound:
+            return token_budget(f)
         f.add(("arrival_rate", "request_throughput") + MEMORY_KEYS)
         f.add_batch()
         f.add_cache()
@@ -307,6 +237,15 @@ def slow_first_token(f: Facts) -> Diagnosis:
                          "(TTFT is slow, TPOT is fine, and the time goes to waiting in the queue).",
                          action, f.evidence, REST, f.unknown)
     f.add(("prefill_token_share",))
+    if f.spike is not None and f.spike >= ITL_SPIKE:
+        f.add(("median_itl", "p99_itl"))
+        f.add_spike()
+        return Diagnosis("prefill", "首字慢、几乎不排队，出字间隔却有尖峰：长提示词整段预填充，占住了整步"
+                         "(TTFT is slow with almost no queue, and inter-token gaps spike: long prompts are "
+                         "prefilled whole and hold entire steps).",
+                         "enable chunked prefill (vLLM --enable-chunked-prefill) with a smaller "
+                         "--max-num-batched-tokens, so that long prompts are prefilled in pieces (打开分块预填充、"
+                         "减小 token 预算)", f.evidence, REST, f.unknown)
     f.add_cache()
     action = (f.fix_cache if f.cache_lost else
               "reuse prefixes (enable_prefix_caching, cache-aware routing), shorten prompts, "
@@ -333,6 +272,14 @@ def slow_decode(f: Facts) -> Diagnosis:
                          "(TPOT is slow, TTFT is fine, and the batch is past the crossover: steps are compute-bound).",
                          "lower max_num_seqs toward the crossover (把 max_num_seqs 调回交叉点附近)",
                          f.evidence, REST[1:], f.unknown)
+    if f.batch is not None and f.weights_crossover is not None and f.batch > f.weights_crossover:
+        return Diagnosis("decode", "出字慢、首字正常，批已超过只读权重时的交叉点，但上下文长：每步读 KV 的时间"
+                         "压过了计算，仍受显存带宽限制"
+                         "(TPOT is slow, TTFT is fine, and the batch is past the weights-only crossover, but at "
+                         "this context the KV reads outweigh the compute: steps are memory-bound).",
+                         "lower max_num_seqs toward the weights-only crossover: past it the weights are already "
+                         "shared, and each further request only adds its KV read to every step "
+                         "(把 max_num_seqs 调回只读权重时的交叉点附近)", f.evidence, REST[1:], f.unknown)
     f.add_cache()
     if f.cache_lost:
         return Diagnosis("decode", "出字慢、首字正常，而前缀命中率低：重复的预填充挤占了解码步"
@@ -394,16 +341,7 @@ def undetermined(f: Facts, missing: list[str]) -> Diagnosis:
                      "inside it (导出延迟直方图，或加长观察窗口)", f.evidence, REST, f.unknown)
 
 
-def check_unknown(unknown) -> dict:
-    if unknown is None:
-        return {}
-    if not isinstance(unknown, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                for k, v in unknown.items()):
-        raise ValueError(f"unknown must map keys to reasons (dict of str), got {unknown!r}")
-    return dict(unknown)
-
-
-def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: float | None = None,
+def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover=None,
              max_num_seqs: int | None = None, prefix_share: float | None = None,
              routing: str | None = None, stat: str = "p99", unknown: dict | None = None) -> Diagnosis:
     """Walk the chapter's tuning order (module docstring) over a serving summary and
@@ -415,15 +353,19 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: floa
     ``max_queue_length``, ``queue_growth_rate``, ``median_itl``, ``p99_itl``,
     ``prefix_cache_hit_rate``, ``mean_kv_usage``, ``num_preemptions``...) add evidence
     when present. ``unknown`` (key -> reason) names what the source could not tell.
+    ``crossover`` is a batch size, or a function of the context length
+    (``functools.partial(hardware.crossover_batch, hw, model, dtype)``) read at
+    ``mean_context_len``.
     """
     if not isinstance(summary, dict):
         raise ValueError(f"summary must be a dict, got {type(summary).__name__}")
     if stat not in STATS:
         raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
     ttft_slo, tpot_slo = positive("ttft_slo", ttft_slo), positive("tpot_slo", tpot_slo)
-    crossover = positive("crossover", crossover, allow_none=True)
     check_knobs(max_num_seqs, prefix_share, routing)
     unknown = check_unknown(unknown)
+    crossover, weights_crossover = resolve_crossover(
+        crossover, number(summary, "mean_context_len", required=False), unknown)
     slos = {f"{stat}_ttft": ttft_slo, f"{stat}_tpot": tpot_slo}
     # A {stat} of TPOT the source cannot tell, with its mean known: judged by the mean
     # (a mean that misses is slow; one that holds says nothing of the tail, and "healthy"
@@ -438,16 +380,22 @@ def diagnose(summary: dict, ttft_slo: float, tpot_slo: float, *, crossover: floa
     def label(key):
         judged_by_mean = key == "mean_tpot" and stat != "mean"
         return f"{key} (s) vs {key.split('_')[1]}_slo" + (f" ({stat}_tpot unknown)" if judged_by_mean else "")
-    facts = Facts(ttft, tpot, number(summary, "mean_batch_size", required=False), crossover,
-                  max_num_seqs, prefix_share, routing,
+    facts = Facts(ttft, tpot, ttft_slo, number(summary, "mean_batch_size", required=False), crossover,
+                  weights_crossover, max_num_seqs, prefix_share, routing,
                   opt={k: number(summary, k, required=False) for k in OPTIONAL_KEYS},
                   evidence={label(key): (values[key], slo) for key, slo in slos.items() if key not in missing},
                   unknown=unknown)
+    quiet = no_tokens(facts)
+    if quiet and not facts.backlog:
+        held = (facts.batch or 0) + (facts.opt["max_queue_length"] or 0)
+        return stalled(facts) if held > 0 else idle(facts)
     if missing:
         return backlogged(facts) if facts.backlog else undetermined(facts, missing)
     ttft_slow, tpot_slow = ttft > ttft_slo, tpot == tpot and tpot > tpot_slo
     if ttft_slow and tpot_slow:
-        return overload(facts)
+        if facts.queued or facts.backlog:
+            return overload(facts)
+        return slow_steps(facts) if facts.spike is not None and facts.spike < ITL_SPIKE else long_prompts(facts)
     if ttft_slow:
         return slow_first_token(facts)
     if tpot_slow:

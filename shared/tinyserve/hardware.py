@@ -36,6 +36,7 @@ Dtypes are strings: "fp32", "tf32", "fp16", "bf16", "fp8", "int8".
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 BYTES_PER_ELEMENT: dict[str, int] = {
@@ -285,12 +286,20 @@ def per_request_compute_time(hw: HardwareSpec, model: ModelSpec, dtype: str) -> 
     return 2 * model.num_parameters / hw.peak_flops(dtype)
 
 
-def crossover_batch(hw: HardwareSpec, model: ModelSpec, dtype: str) -> float:
-    """Batch size at which compute catches up with the weight read.
+def crossover_batch(hw: HardwareSpec, model: ModelSpec, dtype: str, context_len: float = 0.0) -> float:
+    """Batch size at which a decode step's compute catches up with its memory traffic.
 
-    Equals peak / bandwidth x (bytes per parameter / 2): the ridge point itself in fp16.
+    With ``context_len = 0`` only the weights are read: peak / bandwidth x (bytes per
+    parameter / 2), the ridge point itself in fp16. Each request also reads its KV
+    cache (``context_len`` tokens) and attends over it, so the crossover moves right
+    as contexts grow; ``math.inf`` when a request's KV read alone takes longer than
+    its compute (the step stays memory-bound at any batch).
     """
-    return weight_read_time(hw, model, dtype) / per_request_compute_time(hw, model, dtype)
+    if context_len < 0:
+        raise ValueError(f"context_len must be >= 0, got {context_len}")
+    per_request = (step_flops(model, 1, context_len) / hw.peak_flops(dtype)
+                   - context_len * kv_bytes_per_token(model, dtype) / hw.memory_bandwidth)
+    return weight_read_time(hw, model, dtype) / per_request if per_request > 0 else math.inf
 
 
 def kv_bytes_per_token(model: ModelSpec, dtype: str) -> float:

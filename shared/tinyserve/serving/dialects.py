@@ -18,8 +18,9 @@ Where the names come from (read with the search tool, not copied):
   (the v0.10 line: ``kv_cache_usage_perc`` and ``prefix_cache_{queries,hits}`` in tokens,
   the ``gpu_*`` names "deprecated in 0.9"); and the v0.12 line as stored in the search
   index ("Deprecated in 0.11 - Renamed as vllm:inter_token_latency_seconds ... remove in
-  0.13.0"), which adds ``inter_token_latency_seconds`` and the per-request
-  ``request_time_per_output_token_seconds``; later lines add reuse through a KV connector
+  0.13.0"): the v0.11 line adds ``inter_token_latency_seconds`` beside the old name, the
+  v0.12 line the per-request ``request_time_per_output_token_seconds``; later lines add
+  reuse through a KV connector
   (``external_prefix_cache_{queries,hits}``, ``prompt_tokens_by_source`` with ``source`` =
   local_compute / local_cache_hit / external_kv_transfer, and ``prompt_tokens_cached``,
   local + external). ``docs/design/metrics.md`` at
@@ -31,6 +32,8 @@ Where the names come from (read with the search tool, not copied):
   commit 00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538 (adds the ``num_retracted_requests_total``
   counter: SGLang calls a preemption a retraction); ``TokenizerMetricsCollector``'s
   ``num_aborted_requests_total`` counts aborts apart from ``num_requests_total``.
+  Scheduler metrics carry ``engine_type``, ``tp_rank`` and ``pp_rank`` labels besides
+  ``model_name`` (one series per rank; the ranks of one group report the same batch).
   ``docs/references/production_metrics.md``
   at 40ef116f011cf1599811af1089ddf00971092bcf shows the older ``time_per_output_token_seconds``,
   whose count matches the generated tokens: it too was per token.
@@ -68,6 +71,7 @@ ROLES = {
     "itl": ("histogram", "inter-token latency histogram"),
     "e2e": ("histogram", "end-to-end latency histogram"),
     "queue_time": ("histogram", "queue-time histogram"),
+    "step_tokens": ("histogram", "tokens-per-step histogram"),
 }
 #: Roles whose names are distinct outcomes to add up, not alternatives.
 SUMMED = {"finished"}
@@ -138,12 +142,15 @@ VLLM = Dialect("vllm", "vllm:", {
     "external_hits": names(("vllm:external_prefix_cache_hits_total", "KV connector")),
     "preemptions": names("vllm:num_preemptions_total"),
     "ttft": names("vllm:time_to_first_token_seconds"),
-    "tpot": names(("vllm:request_time_per_output_token_seconds", "per request, vLLM >= 0.11")),
+    "tpot": names(("vllm:request_time_per_output_token_seconds", "per request; added after the v0.11 line")),
     "itl": names(("vllm:inter_token_latency_seconds", "vLLM >= 0.11"),
                  ("vllm:time_per_output_token_seconds",
-                  "vLLM < 0.11 name of the per-token gaps; hidden in 0.12, removed in 0.13")),
+                  "the per-token gaps' name before 0.11; deprecated in 0.11, hidden in 0.12, removed in 0.13")),
     "e2e": names("vllm:e2e_request_latency_seconds"),
     "queue_time": names("vllm:request_queue_time_seconds"),
+    # Tokens scheduled per engine step (prefill + decode): pinned at one value while
+    # requests wait, it is the --max-num-batched-tokens budget that holds them back.
+    "step_tokens": names(("vllm:iteration_tokens_total", "tokens per engine step")),
 })
 
 SGLANG = Dialect("sglang", "sglang:", {

@@ -12,9 +12,19 @@ reads, and the diagnosis is that same function, the one notebook 08 teaches:
   waiting; an engine that restarted lost what it held), / window;
 * ``queue_length_at_start``, ``queue_length_at_end``, ``max_queue_length``,
   ``queue_growth_rate``: the waiting gauge at the two scrapes, the larger and the
-  change per second (a queue that grows while arrivals outpace completions is
-  overload, whatever the latency of the requests that did finish); ``mean_batch_size`` and
-  ``mean_kv_usage``: the running and KV-usage gauges, averaged over the two;
+  change per second (a queue that grows while arrivals outpace completions, or
+  while the batch is at its cap, is overload, whatever the latency of the requests
+  that did finish); ``mean_batch_size``: the running gauge averaged over the two
+  scrapes, per engine (vLLM's data-parallel engines, ``engine`` label, and SGLang's
+  ``dp_rank`` each have their own batch; of SGLang's tensor/pipeline ranks one is
+  read); ``mean_kv_usage``: the KV-usage gauge, averaged;
+* ``output_throughput``: generated tokens / window (zero with requests held: a
+  stalled server); ``mean_context_len``: mean prompt + half the mean output of the
+  window's tokens per finished request, where a decode step's context sits on
+  average (for the context-aware crossover);
+* ``step_token_ceiling``, ``step_share_at_ceiling``: vLLM's tokens-per-step
+  histogram, its highest non-empty bucket and the share of steps in it (steps
+  pinned at one count while requests wait: the token budget);
 * ``{mean,median,p99}_{ttft,tpot,itl,e2e}`` and ``mean_queue_time``: the window's
   histogram observations (mean = sum / count, quantiles from the buckets);
 * ``prefix_cache_hit_rate``: the share of prompt tokens served from a cache in
@@ -42,13 +52,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from tinyserve.diagnose import STATS, Diagnosis, diagnose, format_value
 from tinyserve.hardware import MODELS, ModelSpec, crossover_batch, get_hardware, lookup
 from tinyserve.serving.client import run_benchmark
 from tinyserve.serving.dialects import Name
-from tinyserve.serving.scrape import Window, fetch_metrics, parse_metrics, read_scrape
+from tinyserve.serving.scrape import Window, fetch_metrics, read_scrape
 
 QUANTILES = {"mean": None, "median": 0.5, "p99": 0.99}
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -78,7 +89,8 @@ class LiveDiagnosis:
 
     def __str__(self) -> str:
         where = f" at {self.url}" if self.url else ""
-        model = f", model {self.model}" if self.model else ""
+        name = self.model if self.model is None or self.model.isprintable() else repr(self.model)[1:-1]
+        model = f", model {name}" if self.model else ""
         lines = [f"{self.engine}{where}{model}: a window of {self.seconds:.1f} s", "metrics used:"]
         lines += [f"  {role:<18}{source}" for role, source in self.sources.items()]
         lines.append("over the window:")
@@ -136,53 +148,72 @@ def load_summary(w: Window, s: dict, unknown: dict) -> None:
         s["queue_length_at_start"], s["queue_length_at_end"] = waiting
         s["max_queue_length"] = max(waiting)
         s["queue_growth_rate"] = (waiting[1] - waiting[0]) / w.seconds
+    engines = w.engines("running")
     for key, role in (("mean_batch_size", "running"), ("mean_kv_usage", "kv_usage")):
         level = running if role == "running" else w.gauge(role)
         if level is None:
             unknown[key] = w.missing(role)
-        else:
-            s[key] = sum(level) / 2
+        else:       # the crossover and max_num_seqs are per engine, and so is the batch
+            s[key] = sum(level) / 2 / (engines if role == "running" else 1)
+    if engines > 1:
+        s["engines"] = engines
+        w.notes.append(f"{engines} data-parallel engines: mean_batch_size is per engine (the running gauge "
+                       f"summed over them / {engines}), as max_num_seqs and the crossover are")
     preemptions = w.delta("preemptions")
     if preemptions is None:
         unknown["num_preemptions"] = w.missing("preemptions")
     else:
         s["num_preemptions"] = preemptions
-    generated = w.delta("generation_tokens")
+    generated, prompts = w.delta("generation_tokens"), w.delta("prompt_tokens")
     if generated is not None:
         s["output_throughput"] = generated / w.seconds
-
-
-def reuse_summary(w: Window, s: dict) -> bool:
-    """vLLM's reuse across local and KV-connector caches, when it exports it: the share
-    of prompt tokens that were not computed. False when it does not."""
-    cached, prompts = w.delta("cached_prompt_tokens"), w.delta("prompt_tokens")
-    reused = lambda labels: labels.get("source") in ("local_cache_hit", "external_kv_transfer")
-    if cached is None or not prompts:
-        cached, prompts = w.delta("prompt_by_source", reused), w.delta("prompt_by_source")
-        w.found.pop("cached_prompt_tokens", None)
+    if finished and generated is not None and prompts is not None:
+        s["mean_context_len"] = (prompts + generated / 2) / finished
     else:
-        w.found.pop("prompt_by_source", None)
-    queries, hits = w.delta("external_queries"), w.delta("external_hits")
-    if queries and hits is not None:
-        s["external_prefix_cache_hit_rate"] = hits / queries
-    if cached is None or not prompts:
-        w.found.pop("prompt_by_source", None)
-        if queries is None or hits is None:
-            return False
-        local_queries, local_hits = w.delta("prefix_queries"), w.delta("prefix_hits")
-        if not local_queries or local_hits is None:
-            return False
-        cached, prompts = local_hits + hits, local_queries       # external lookups follow local misses
-    s["prefix_cache_hit_rate"] = cached / prompts
-    return True
+        unknown["mean_context_len"] = "needs the finished-request, prompt-token and generated-token counters"
+
+
+def step_summary(w: Window, s: dict, unknown: dict) -> None:
+    """Where the window's steps sit in tokens: the highest non-empty bucket and its share."""
+    h = w.histogram("step_tokens")
+    if h is None or h.count == 0:
+        reason = w.missing("step_tokens") if h is None else "no steps in the window"
+        unknown.update(dict.fromkeys(("step_token_ceiling", "step_share_at_ceiling"), reason))
+        return
+    counts = h.counts
+    top = max(i for i, n in enumerate(counts) if n)
+    s["step_token_ceiling"] = h.bounds[top] if top < len(h.bounds) - 1 else h.bounds[-2]
+    s["step_share_at_ceiling"] = counts[top] / h.count
+
+
+def reused_share(w: Window) -> float | None:
+    """vLLM's share of prompt tokens served from any cache (local or KV connector), when
+    it counts them so; None when it does not."""
+    cached, prompts = w.delta("cached_prompt_tokens"), w.delta("prompt_tokens")
+    if cached is not None and prompts:
+        return cached / prompts
+    w.found.pop("cached_prompt_tokens", None)
+    reused = lambda labels: labels.get("source") in ("local_cache_hit", "external_kv_transfer")
+    by_source = w.delta("prompt_by_source")
+    if by_source:
+        return w.delta("prompt_by_source", reused) / by_source
+    w.found.pop("prompt_by_source", None)
+    return None
 
 
 def cache_summary(w: Window, s: dict, unknown: dict) -> None:
     """Prefix-cache hits / lookups over the window (local and KV-connector reuse where
     the engine tells both); a hit-rate gauge if no counters."""
-    if reuse_summary(w, s):
-        return
+    rate = reused_share(w)
     queries, hits = w.delta("prefix_queries"), w.delta("prefix_hits")
+    external_queries, external_hits = w.delta("external_queries"), w.delta("external_hits")
+    if external_queries and external_hits is not None:
+        s["external_prefix_cache_hit_rate"] = external_hits / external_queries
+        if rate is None and queries and hits is not None:
+            rate = (hits + external_hits) / queries       # external lookups follow local misses
+    if rate is not None:
+        s["prefix_cache_hit_rate"] = rate
+        return
     if queries is not None and hits is not None:
         prompts = w.delta("prompt_tokens")
         if queries > 0:
@@ -214,12 +245,24 @@ def latency_summary(w: Window, s: dict, unknown: dict) -> None:
             continue
         for stat, q in QUANTILES.items():
             s[f"{stat}_{role}"] = h.mean if q is None else h.quantile(q)
+        check_sum(w, role, h)
     queue = w.histogram("queue_time")
     if queue is None or queue.count == 0:
         unknown["mean_queue_time"] = (w.missing("queue_time") if queue is None else
                                       "no queue-time observations in the window")
     else:
         s["mean_queue_time"] = queue.mean
+        check_sum(w, "queue_time", queue)
+
+
+def check_sum(w: Window, role: str, h) -> None:
+    """A window's sum that no placing of its observations in their buckets can give comes
+    from two processes: a restart the scrapes carry no timestamps to show."""
+    if h.contradicts_buckets():
+        w.suspect.append(role)
+        w.notes.append(f"suspect window: {w.found[role].metric}'s sum over the window (mean {h.mean:.4g}) is "
+                       f"outside what its buckets allow; the server probably restarted between the scrapes "
+                       f"and every series grew past its old value")
 
 
 def stand_in_tpot(w: Window, s: dict, unknown: dict) -> None:
@@ -243,6 +286,7 @@ def window_summary(w: Window) -> tuple[dict, dict]:
     load_summary(w, s, unknown)
     cache_summary(w, s, unknown)
     latency_summary(w, s, unknown)
+    step_summary(w, s, unknown)
     stand_in_tpot(w, s, unknown)
     return s, unknown
 
@@ -250,9 +294,9 @@ def window_summary(w: Window) -> tuple[dict, dict]:
 # ---- the crossover and the diagnosis -------------------------------------------------
 
 def crossover_of(hardware: str | None = None, model_spec: str | None = None,
-                 model_dir: str | None = None, dtype: str = "fp16") -> tuple[float, str] | None:
-    """(crossover batch, how it was found) from a GPU preset and a model preset or a
-    checkpoint's ``config.json``; None when neither is given."""
+                 model_dir: str | None = None, dtype: str = "fp16") -> tuple | None:
+    """(crossover batch as a function of the context length, how it was found) from a GPU
+    preset and a model preset or a checkpoint's ``config.json``; None when neither is given."""
     if model_spec is not None and model_dir is not None:
         raise ValueError("give --model-spec or --model-dir, not both")
     if hardware is None and model_spec is None and model_dir is None:
@@ -266,14 +310,15 @@ def crossover_of(hardware: str | None = None, model_spec: str | None = None,
         spec = ModelSpec.from_config(read_config(model_dir), name=Path(model_dir).name)
     else:
         spec = lookup(MODELS, model_spec, "model spec")
-    return crossover_batch(hw, spec, dtype), f"{hw.name}, {spec.name} {dtype}"
+    return partial(crossover_batch, hw, spec, dtype), f"{hw.name}, {spec.name} {dtype}"
 
 
-def diagnose_window(w: Window, ttft_slo: float, tpot_slo: float, *, crossover: float | None = None,
+def diagnose_window(w: Window, ttft_slo: float, tpot_slo: float, *, crossover=None,
                     crossover_note: str | None = None, max_num_seqs: int | None = None,
                     prefix_share: float | None = None, routing: str | None = None,
                     stat: str = "p99", url: str | None = None) -> LiveDiagnosis:
-    """Summarize the window and walk the tuning order over it (``tinyserve.diagnose``)."""
+    """Summarize the window and walk the tuning order over it (``tinyserve.diagnose``);
+    ``crossover`` is a batch size or a function of the context length (``crossover_of``)."""
     summary, unknown = window_summary(w)
     if crossover is None:
         unknown["crossover"] = SKIPPED_CROSSOVER
@@ -283,28 +328,46 @@ def diagnose_window(w: Window, ttft_slo: float, tpot_slo: float, *, crossover: f
         unknown["prefix_share"] = NO_PREFIX_SHARE
     d = diagnose(summary, ttft_slo, tpot_slo, crossover=crossover, max_num_seqs=max_num_seqs,
                  prefix_share=prefix_share, routing=routing, stat=stat, unknown=unknown)
-    note = SKIPPED_CROSSOVER if crossover is None else f"{crossover:.4g} ({crossover_note or 'given'})"
+    if w.identical:
+        if w.before.source == w.after.source:
+            d = Diagnosis("idle", "两次抓取是同一份文件：这个窗口里没有流量，无从判断"
+                          "(both scrapes are the same file: no traffic in this window: nothing to judge).",
+                          "give two scrapes taken --window seconds apart (隔 --window 秒各抓一次)", {}, [], unknown)
+        else:
+            w.notes.append("the two scrapes are identical: if they are one scrape given twice, there is "
+                           "nothing to judge")
+    elif w.suspect:
+        d = Diagnosis("unknown", "窗口可疑：直方图的总和与它自己的桶对不上，两次抓取多半来自重启前后的两个进程"
+                      "(suspect window: a histogram's sum contradicts its own buckets, so the two scrapes "
+                      "probably come from before and after a restart).",
+                      "scrape again, twice, --window seconds apart (重新抓两次)",
+                      {f"sum outside its buckets: {', '.join(w.suspect)}": "suspect"}, [], unknown)
+    if crossover is None:
+        note = SKIPPED_CROSSOVER
+    elif callable(crossover):
+        note = (f"{crossover(0.0):.4g} with weights only, read at the window's mean context "
+                f"({crossover_note or 'given'})")
+    else:
+        note = f"{crossover:.4g} ({crossover_note or 'given'})"
     return LiveDiagnosis(w.dialect.engine, w.seconds, w.model, {r: str(n) for r, n in w.found.items()},
                          summary, note, d, url, list(w.notes))
 
 
-def diagnose_texts(before: str, after: str, seconds: float, model: str | None = None,
-                   sources: tuple = ("the first scrape", "the second scrape"), **knobs) -> LiveDiagnosis:
-    """Two saved scrapes (Prometheus text), ``seconds`` apart; ``sources`` name them in errors."""
-    first, second = (parse_metrics(text, source) for text, source in zip((before, after), sources))
-    return diagnose_window(Window(first, second, seconds, model), **knobs)
+def check_window(window) -> None:
+    if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window < math.inf:
+        raise ValueError(f"window (--window) must be a positive number of seconds, got {window!r}")
 
 
 def diagnose_files(before, after, seconds: float, model: str | None = None, **knobs) -> LiveDiagnosis:
     """Two scrapes saved to files (``tinyserve diagnose --once FILE1 FILE2``)."""
+    check_window(seconds)
     return diagnose_window(Window(read_scrape(before), read_scrape(after), seconds, model), **knobs)
 
 
 def diagnose_url(url: str, window: float = 60.0, *, model: str | None = None, timeout: float = 10.0,
                  **knobs) -> LiveDiagnosis:
     """Scrape ``url``'s ``/metrics``, wait ``window`` seconds, scrape again, diagnose."""
-    if not isinstance(window, (int, float)) or isinstance(window, bool) or not window > 0:
-        raise ValueError(f"window must be a positive number of seconds, got {window!r}")
+    check_window(window)
     def timed_fetch():          # the scrape and the middle of the time it took
         before = time.monotonic()
         scrape = fetch_metrics(url, timeout)

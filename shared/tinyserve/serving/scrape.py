@@ -41,18 +41,25 @@ import socket
 import threading
 import time
 import urllib.parse
+import zlib
 from dataclasses import dataclass, field
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from tinyserve.serving.dialects import DIALECTS, FRACTIONS, ROLES, SUMMED, Dialect, Name
+from tinyserve.serving.histogram import Histogram
 
 MODEL_LABEL = "model_name"
 #: The largest scrape read (a real vLLM or SGLang /metrics is well under 1 MiB).
 MAX_SCRAPE_BYTES = 16 * 2**20
 #: Labels that tell one engine (process, data-parallel rank) of a server from another.
 IDENTITY_LABELS = ("engine", "dp_rank", "tp_rank", "pp_rank")
+#: Ranks of one model replica (tensor/pipeline parallel): they hold the same requests, so
+#: one of them is read (the lowest), not their sum.
+REPLICA_RANKS = ("tp_rank", "pp_rank", "moe_ep_rank")
+#: Labels that tell data-parallel engines apart: each has its own batch.
+ENGINE_LABELS = ("engine", "dp_rank")
 PROCESS_START = "process_start_time_seconds"
 PREFIXES = tuple(d.prefix for d in DIALECTS.values())
 # One sample line: a name, optional {labels} (values may hold '}' inside quotes), a value.
@@ -132,15 +139,9 @@ def unescape_samples(text: str) -> str:
     """prometheus_client >= 0.22 writes OpenMetrics families as ``# TYPE vllm:x`` but
     their samples as ``vllm_x``, which its own parser then splits into clashing
     families: give the samples back the family's spelling."""
-    prefixes = [p for p in PREFIXES if f"# TYPE {p}" in text]
-    if not prefixes:
+    if not any(f"# TYPE {p}" in text for p in PREFIXES):
         return text
-    def one(line: str) -> str:
-        for prefix in prefixes:
-            if line.startswith(prefix[:-1] + "_"):
-                return prefix + line[len(prefix):]
-        return line
-    return "\n".join(one(line) for line in text.split("\n"))
+    return "\n".join(line if line.startswith("#") else engine_name(line) for line in text.split("\n"))
 
 
 def parse_metrics(text: str, source: str = "metrics") -> Scrape:
@@ -210,10 +211,10 @@ def fetch_metrics(url: str, timeout: float = 10.0) -> Scrape:
         if expired.is_set():
             expire()
         conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""),
-                     headers={"Accept": "text/plain;version=0.0.4, */*;q=0.1"})
+                     headers={"Accept": "text/plain;version=0.0.4, */*;q=0.1", "Accept-Encoding": "identity"})
         response = conn.getresponse()
         if response.status != 200:
-            raise ConnectionError(f"could not read {target}: HTTP {response.status} {response.reason}")
+            raise ConnectionError(f"HTTP {response.status} {response.reason}")
         body = bytearray()
         while chunk := response.read1(65536):
             body += chunk
@@ -222,19 +223,29 @@ def fetch_metrics(url: str, timeout: float = 10.0) -> Scrape:
                 expire()
         if expired.is_set():
             raise TimeoutError
-    except (TimeoutError, socket.timeout):
-        raise ConnectionError(f"could not read {target}: no whole answer within --timeout {timeout:g} s") from None
-    except (http.client.HTTPException, OSError) as exc:
-        if expired.is_set():
-            raise ConnectionError(f"could not read {target}: no whole answer within --timeout {timeout:g} s") \
-                from None
-        raise ConnectionError(f"could not read {target}: {exc}") from None
+    except (http.client.HTTPException, OSError) as exc:     # OSError covers timeouts and ConnectionError
+        why = f"no whole answer within --timeout {timeout:g} s" if expired.is_set() or isinstance(
+            exc, TimeoutError) else exc
+        raise ConnectionError(f"could not read {target}: {why}") from None
     finally:
         timer.cancel()
         conn.close()
     if "html" in (response.getheader("Content-Type") or ""):
         raise ValueError(f"{target}: the answer is an HTML page, not /metrics")
+    if (response.getheader("Content-Encoding") or "").strip().lower() == "gzip":   # sent despite identity
+        body = gunzip(bytes(body), target)
     return parse_metrics(decode_scrape(bytes(body), target), target)
+
+
+def gunzip(data: bytes, source: str) -> bytes:
+    """A gzip body, inflated to at most ``MAX_SCRAPE_BYTES``."""
+    inflate = zlib.decompressobj(wbits=31)
+    try:
+        out = inflate.decompress(data, MAX_SCRAPE_BYTES + 1)
+    except zlib.error as exc:
+        raise ValueError(f"{source}: Content-Encoding gzip, but the body is not gzip ({exc})") from None
+    check_size(len(out), source)
+    return out
 
 
 def read_scrape(path) -> Scrape:
@@ -256,63 +267,24 @@ def detect_dialect(scrape: Scrape) -> Dialect:
 
 # ---- histograms ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Histogram:
-    """Cumulative bucket counts (``le`` bounds ascending, the last ``inf``) and the sum."""
-    bounds: tuple
-    cumulative: tuple
-    sum: float
-
-    @property
-    def count(self) -> float:
-        return self.cumulative[-1]
-
-    @property
-    def mean(self) -> float:
-        return self.sum / self.count if self.count else math.nan
-
-    def plus(self, other: "Histogram", name: str) -> "Histogram":
-        if other.bounds != self.bounds:
-            raise ValueError(f"{name}: series with different bucket bounds")
-        return Histogram(self.bounds, tuple(a + b for a, b in zip(self.cumulative, other.cumulative)),
-                         self.sum + other.sum)
-
-    def minus(self, before: "Histogram", name: str) -> "Histogram":
-        if before.bounds != self.bounds:
-            raise ValueError(f"{name}: bucket bounds changed between the scrapes")
-        cumulative = tuple(a - b for a, b in zip(self.cumulative, before.cumulative))
-        if any(c < 0 for c in cumulative) or self.sum < before.sum - 1e-9 * abs(before.sum):
-            raise ValueError(f"{name} went down between the scrapes: the server restarted; scrape again")
-        return Histogram(self.bounds, cumulative, self.sum - before.sum)
-
-    def quantile(self, q: float) -> float:
-        """Prometheus' ``histogram_quantile``: linear inside the bucket that holds rank
-        ``q * count``; in the ``+Inf`` bucket, the highest finite bound (a lower bound)."""
-        if not 0 <= q <= 1:
-            raise ValueError(f"q must be in [0, 1], got {q!r}")
-        if self.count <= 0:
-            return math.nan
-        rank = q * self.count
-        b = next((i for i, c in enumerate(self.cumulative[:-1]) if c >= rank), len(self.bounds) - 1)
-        if b == len(self.bounds) - 1:
-            return self.bounds[-2] if len(self.bounds) > 1 else math.nan
-        if b == 0 and self.bounds[0] <= 0:
-            return self.bounds[0]
-        start = self.bounds[b - 1] if b > 0 else 0.0
-        below = self.cumulative[b - 1] if b > 0 else 0.0
-        inside = self.cumulative[b] - below
-        return start + (self.bounds[b] - start) * ((rank - below) / inside if inside else 1.0)
-
-
 def series_key(labels: dict, drop: str = "") -> frozenset:
     return frozenset((k, v) for k, v in labels.items() if k != drop)
 
 
-def histograms_by_series(scrape: Scrape, name: str, model: str | None) -> dict:
-    """Series key (labels without ``le``) -> its ``Histogram``."""
+def paired(before: list, after: list):
+    """Each series of ``after`` as (labels, value, its value in ``before`` or None)."""
+    old = {series_key(labels): value for labels, value in before}
+    for labels, value in after:
+        yield labels, value, old.get(series_key(labels))
+
+
+def histograms_by_series(scrape: Scrape, name: str, model: str | None, ranks: dict | None = None) -> dict:
+    """Series key (labels without ``le``) -> its ``Histogram``; ``ranks`` (label -> value)
+    keeps one rank of each parallel group."""
     buckets: dict = {}
     for labels, value in scrape.series(name + "_bucket", model):
-        buckets.setdefault(series_key(labels, "le"), {})[float(labels["le"])] = value
+        if all(labels.get(label, v) == v for label, v in (ranks or {}).items()):
+            buckets.setdefault(series_key(labels, "le"), {})[float(labels["le"])] = value
     sums = {series_key(labels): value for labels, value in scrape.series(name + "_sum", model)}
     out = {}
     for key, by_bound in buckets.items():
@@ -323,15 +295,11 @@ def histograms_by_series(scrape: Scrape, name: str, model: str | None) -> dict:
     return out
 
 
-def read_histogram(scrape: Scrape, name: str, model: str | None) -> Histogram | None:
-    """Every series of histogram ``name`` added up; None if it has none."""
-    total = None
-    for h in histograms_by_series(scrape, name, model).values():
-        total = h if total is None else total.plus(h, name)
-    return total
-
-
 # ---- two scrapes --------------------------------------------------------------------
+
+def rank_order(value: str):
+    return (0, int(value)) if value.isdigit() else (1, value)
+
 
 def identity(labels) -> tuple:
     labels = dict(labels)
@@ -353,6 +321,14 @@ class Restarts:
         return any(set(ident) <= mine for ident in self.engines)
 
 
+def moment(was: float, now: float) -> str:
+    """'A to B' with as many decimals as it takes for A and B to print differently."""
+    for digits in (0, 1, 2, 3, 6):
+        if f"{was:.{digits}f}" != f"{now:.{digits}f}":
+            break
+    return f"{was:.{digits}f} to {now:.{digits}f}"
+
+
 def cumulative(name: str) -> bool:
     return name.endswith(("_total", "_count", "_sum", "_bucket"))
 
@@ -369,27 +345,23 @@ def find_restarts(before: Scrape, after: Scrape) -> Restarts:
         if starts[1] < starts[0] - CLOCK_SLACK:
             raise ValueError(f"{wrong_order} ({PROCESS_START} went back from {starts[0]:.0f} to {starts[1]:.0f})")
         if starts[1] > starts[0] + CLOCK_SLACK:
-            found.engines[()] = f"{PROCESS_START} moved from {starts[0]:.0f} to {starts[1]:.0f}"
+            found.engines[()] = f"{PROCESS_START} moved from {moment(starts[0], starts[1])}"
     for name, series in after.samples.items():
         if not (name.endswith("_created") and name.startswith(PREFIXES)):
             continue
-        old = {series_key(labels): value for labels, value in before.samples.get(name, ())}
-        for labels, value in series:
-            was = old.get(series_key(labels))
+        for labels, value, was in paired(before.samples.get(name, ()), series):
             if was is None:
                 continue
             found.timed = True
             if value < was - CLOCK_SLACK:
                 raise ValueError(f"{wrong_order} ({name} went back from {was:.0f} to {value:.0f})")
             if value > was + CLOCK_SLACK and not found.covers(labels):
-                found.engines[identity(labels)] = f"{name} moved from {was:.0f} to {value:.0f}"
+                found.engines[identity(labels)] = f"{name} moved from {moment(was, value)}"
     went_down = {}
     for name, series in after.samples.items():
         if not (cumulative(name) and name.startswith(PREFIXES)):
             continue
-        old = {series_key(labels): value for labels, value in before.samples.get(name, ())}
-        for labels, value in series:
-            was = old.get(series_key(labels))
+        for labels, value, was in paired(before.samples.get(name, ()), series):
             if was is not None and value < was and not found.covers(labels):
                 went_down.setdefault(identity(labels), f"{name} went down ({was:g} -> {value:g})")
     if went_down and not found.timed:
@@ -426,6 +398,28 @@ class Window:
                       f"at the restart, and what it served before that is in neither scrape"
                       for ident, how in self.restarts.engines.items()]
         self.found: dict = {}
+        self.ranks = {label: min(values, key=rank_order) for label in REPLICA_RANKS
+                      if len(values := {labels[label] for series in after.samples.values()
+                                        for labels, _ in series if label in labels}) > 1}
+        if self.ranks:
+            read = ", ".join(f"{label} {value}" for label, value in self.ranks.items())
+            self.notes.append(f"{self.dialect.engine} exports several {'/'.join(self.ranks)} series: read at {read} only "
+                              f"(the ranks of one tensor/pipeline-parallel group hold the same requests)")
+        self.identical = before.samples == after.samples
+        self.suspect: list = []         # histograms whose window sum contradicts their buckets
+
+    def series(self, scrape: Scrape, metric: str) -> list:
+        """``scrape``'s series of ``metric`` for the chosen model, one rank per parallel group."""
+        return [(labels, value) for labels, value in scrape.series(metric, self.model)
+                if all(labels.get(label, value_) == value_ for label, value_ in self.ranks.items())]
+
+    def engines(self, role: str) -> int:
+        """How many data-parallel engines export ``role`` (1 without an ``engine``/``dp_rank`` label)."""
+        names = self.exported(role)
+        if not names:
+            return 1
+        return max(1, len({tuple(labels.get(k) for k in ENGINE_LABELS)
+                           for labels, _ in self.series(self.after, names[0].metric)}))
 
     def choose_model(self, model: str | None) -> str | None:
         before, after = self.before.models(), self.after.models()
@@ -445,7 +439,7 @@ class Window:
     def exported(self, role: str) -> list:
         kind = ROLES[role][0]
         suffix = "_bucket" if kind == "histogram" else ""
-        names = [n for n in self.dialect.candidates(role) if self.after.series(n.metric + suffix, self.model)]
+        names = [n for n in self.dialect.candidates(role) if self.series(self.after, n.metric + suffix)]
         return names if role in SUMMED else names[:1]
 
     def missing(self, role: str) -> str:
@@ -454,27 +448,28 @@ class Window:
             return f"{self.dialect.engine} exports no {ROLES[role][1]}"
         return f"metric {tried} not exported"
 
-    def level(self, scrape: Scrape, role: str, name: Name, surviving: bool = False) -> float | None:
-        """The gauge's value; ``surviving``: only engines that did not restart afterwards."""
-        series = scrape.series(name.metric, self.model)
-        if not series:
-            return None
-        values = [v for labels, v in series if not (surviving and self.restarts.covers(labels))]
+    def level(self, series: list, role: str) -> float:
+        """Summed over the series, or averaged for a fraction (NaN with no series left)."""
+        values = [v for _, v in series]
         if role in FRACTIONS:
             return sum(values) / len(values) if values else math.nan
         return sum(values)
 
     def gauge(self, role: str, surviving: bool = False) -> tuple | None:
-        """(value at the first scrape, value at the second), or None if not exported.
-        ``surviving``: the first value without the engines that restarted (their
-        requests were lost with them)."""
+        """(value at the first scrape, value at the second), or None if not exported. An
+        engine that restarted in the window counts at its second value in both (its first
+        is the dead process's); ``surviving``: in the first, it does not count at all
+        (its requests were lost with it)."""
         names = self.exported(role)
         if not names:
             return None
         self.found[role] = names[0]
-        before = self.level(self.before, role, names[0], surviving)
-        after = self.level(self.after, role, names[0])
-        return (after if before is None else before), after
+        before, after = (self.series(scrape, names[0].metric) for scrape in (self.before, self.after))
+        first = [(labels, v) for labels, v in before if not self.restarts.covers(labels)]
+        if not surviving:
+            first += [(labels, v) for labels, v in after if self.restarts.covers(labels)]
+        level = self.level(after, role)
+        return (self.level(first, role) if before else level), level     # a gauge new in the window: flat
 
     def delta(self, role: str, where=None) -> float | None:
         """A counter's increase over the window, or None if not exported; ``where``
@@ -484,12 +479,12 @@ class Window:
             return None
         total = 0.0
         for name in names:
-            old = {series_key(labels): value for labels, value in self.before.series(name.metric, self.model)}
-            for labels, value in self.after.series(name.metric, self.model):
+            for labels, value, was in paired(self.series(self.before, name.metric),
+                                             self.series(self.after, name.metric)):
                 if where is not None and not where(labels):
                     continue
                 restarted = self.restarts.covers(labels)
-                total += value if restarted else value - old.get(series_key(labels), 0.0)
+                total += value if restarted or was is None else value - was
         self.found[role] = names[0] if len(names) == 1 else Name(" + ".join(n.metric for n in names))
         return total
 
@@ -500,9 +495,9 @@ class Window:
             return None
         name = names[0].metric
         self.found[role] = names[0]
-        old = histograms_by_series(self.before, name, self.model)
+        old = histograms_by_series(self.before, name, self.model, self.ranks)
         total = None
-        for key, h in histograms_by_series(self.after, name, self.model).items():
+        for key, h in histograms_by_series(self.after, name, self.model, self.ranks).items():
             if key in old and not self.restarts.covers(dict(key)):
                 h = h.minus(old[key], name)
             total = h if total is None else total.plus(h, name)
