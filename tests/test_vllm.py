@@ -89,7 +89,7 @@ def test_the_client_agrees_with_vllms_own_metrics(servers):
     s = benchmark(server.url, specs, progress=False)
     after = scrape(server.url)
     assert s["errors"] == 0
-    names = sorted({m.group(1) for m in re.finditer(r"^(vllm:[a-z_]+?)(?:_bucket|_sum|_count|_total|_created)?[{ ]",
+    names = sorted({m.group(1) for m in re.finditer(r"^(vllm:[a-z0-9_]+?)(?:_bucket|_sum|_count|_total|_created)?[{ ]",
                                                      after, re.M)})
     print("vLLM metric families seen:", ", ".join(names))
     window, _ = window_summary(Window(parse_metrics(before), parse_metrics(after), s["duration"]))
@@ -103,7 +103,7 @@ def test_the_client_agrees_with_vllms_own_metrics(servers):
     assert abs(s["mean_ttft"] - mean) <= width, (s["mean_ttft"], mean, width)
 
 
-def verdicts(server, max_num_seqs):
+def verdicts(server):
     """Three scenarios on one server, as tests/test_live_diagnose.py runs them on ours."""
     capped, wide = server
     alone = benchmark(wide.url, make_workload("mixed", 4, rate=2, seed=1, max_len=512,
@@ -122,8 +122,8 @@ def verdicts(server, max_num_seqs):
 
 
 def test_diagnose_on_a_live_vllm_reaches_the_verdict_it_reaches_on_tinyserve(servers):
-    theirs = verdicts((servers["vllm capped"], servers["vllm wide"]), None)
-    ours = verdicts((servers["tinyserve capped"], servers["tinyserve wide"]), None)
+    theirs = verdicts((servers["vllm capped"], servers["vllm wide"]))
+    ours = verdicts((servers["tinyserve capped"], servers["tinyserve wide"]))
     expected = {"healthy": "healthy", "batch too small": "queueing", "overload": "overload"}
     for scenario, stage in expected.items():
         t, o = theirs[scenario], ours[scenario]
@@ -131,7 +131,9 @@ def test_diagnose_on_a_live_vllm_reaches_the_verdict_it_reaches_on_tinyserve(ser
         assert t.engine == "vllm" and o.engine == "tinyserve"
         assert o.diagnosis.stage == stage, str(o)
         assert t.diagnosis.stage == o.diagnosis.stage, f"vLLM: {t}\ntinyserve: {o}"
-        assert t.diagnosis.action.split(":")[0] == o.diagnosis.action.split(":")[0]
+        # The same advice; vLLM exports inter-token gaps, ours does not, so its verdict may
+        # add a clause about their spikes after the "; ".
+        assert t.diagnosis.action.split("; ")[0] == o.diagnosis.action.split("; ")[0]
 
 
 @pytest.fixture(scope="module")
