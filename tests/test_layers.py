@@ -25,12 +25,12 @@ PACKAGE = Path(tinyserve.__file__).parent
 # checkpoint (the file format) sits on the model, never under it.
 CORE_ROWS = [
     ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose", "routing",
-     "tokenizer", "chat_template", "kernels"],                    # import nothing of ours
-    ["policies", "measure", "hf_tokenizer"],
+     "tokenizer", "chat_template", "kernels", "host"],            # import nothing of ours
+    ["policies", "hf_tokenizer"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],
-    ["executor"],
+    ["executor", "measure"],                                      # measure times packed GEMMs
     ["engine"],
 ]
 CORE = [name for row in CORE_ROWS for name in row]
