@@ -198,13 +198,13 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
     roofline and by ``cost_model``, with the simulated mean running batch; then the
     worst error of each kind on each split, against the bounds of ``fidelity.BOUNDS``."""
     from tinyserve.sim.cost_model import get_cost_model
-    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, predict, worst
+    from tinyserve.sim.fidelity import BOUNDS, compare, measurements, miss, worst
 
     model = get_cost_model(cost_model)
     name = model.name
     by_id = {m["id"]: m for m in measurements()}
-    rows = compare(("roofline", model))
-    running = {i: predict(m, model, extra=("mean_batch_size", "num_preemptions")) for i, m in by_id.items()}
+    rows = compare(("roofline", model), extra=("mean_batch_size", "num_preemptions"))
+    running = {r.id: r.extra[name] for r in rows}
     if verbose:
         print(f"Simulator vs published vLLM measurements (cost models: roofline, {name})")
         if hasattr(model, "step_overhead"):
