@@ -157,8 +157,7 @@ def free_cores(sample: float = 0.3) -> int:
     Over ``sample`` seconds, the busy time of this process's cores (``/proc/stat``) minus
     this process's own CPU time says how many cores others use. A torch op split over
     N threads waits for its slowest thread, so one thread sharing a core with a busy
-    program slows every op down (on a 2-core machine beside one busy process, a whole
-    notebook ran over 10 times slower on 2 threads). A virtual machine's steal time (the
+    program slows every op down, and a whole notebook with it. A virtual machine's steal time (the
     host running someone else on our core) counts as busy: the core is not ours then.
     Where ``/proc`` is missing, all usable cores.
     """

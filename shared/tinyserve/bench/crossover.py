@@ -15,11 +15,12 @@ linearly after. This module checks that on the machine it runs on:
      layers have 7B shapes (hidden 4096, MLP 11008, 32 layers, fp16: 13 GB),
      replayed as one CUDA graph so kernel launches do not count. On a CPU they
      are scaled down to hidden 1024 (MLP 2752) in fp32, with enough layers for
-     about 1 GiB of weights: 30x a 32 MiB last-level cache, so every step
-     streams the weights from DRAM, while each matrix (at most 22 MiB) still
-     fits the cache that the BLAS library packs it through. (A CPU BLAS copies
-     and repacks the weight of a thin GEMM; with 7B-sized 360 MB matrices that
-     repacking itself goes to DRAM and triples the step time at B >= 2.)
+     about 1 GiB of weights: many times a server CPU's last-level cache (tens
+     of MiB), so every step streams the weights from DRAM, while each matrix
+     (at most 22 MiB) still fits the cache that the BLAS library packs it
+     through. (A CPU BLAS copies and repacks the weight of a thin GEMM; with
+     7B-sized 360 MB matrices that repacking itself goes to DRAM and multiplies
+     the step time at B >= 2.)
    * **tinyserve's own model**: pure decode steps of the ``cpu-bench`` preset
      through the engine (as notebook 01 does), timed from ``engine.step_stats``;
 

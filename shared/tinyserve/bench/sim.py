@@ -17,8 +17,8 @@ pure decodes at batch 2 to 64 and single prefills of 16 to 256 tokens. The
 bandwidth may not exceed what a plain copy reaches (``measure_device``).
 
 Batch 1 is left out on purpose: with one row, torch multiplies by the weights
-as a matrix-vector product, a different and faster path (about 26 ms against
-36-45 ms for any 2-16 row step on the 2-core VM). A roofline has one floor;
+as a matrix-vector product, a different and faster path (``python -m
+tinyserve.bench step`` prints the B=1 step beside the others). A roofline has one floor;
 it is fitted to the matrix-matrix path that almost every step of a served
 workload takes, so a lone request's steps come out too slow.
 
