@@ -64,12 +64,27 @@ def test_disaggregated_requests_pay_the_kv_transfer_between_first_and_second_tok
 
 def test_disaggregation_keeps_prefill_out_of_decode_steps():
     specs = make_workload("long-in-short-out", 300, rate=20.0, seed=2)
-    result = simulate_cluster(specs, disaggregated=(2, 2))
+    result = simulate_cluster(specs, disaggregated=(2, 2), record_batches=True)
     prefill_pool, decode_pool = result.engines[:2], result.engines[2:]
     assert all(s.num_decode_tokens == 0 for e in prefill_pool for s in e.steps)
-    # Decode replicas only receive KV and decode: one computed token per request per step.
     assert all(o.metrics.num_output_tokens == o.spec.output_len for o in result)
-    assert sum(len(e.steps) for e in decode_pool) > 0
+    # A decode replica takes each request's context (prompt + first token) once, in one
+    # step or a few chunks, never again (no recompute), then one token per step.
+    scheduled: dict[str, list[int]] = {}
+    for engine in decode_pool:
+        for step in engine.steps:
+            for rid, n in step.batch:
+                scheduled.setdefault(rid, []).append(n)
+    assert len(scheduled) == sum(1 for spec in specs if spec.output_len > 1)
+    for rid, counts in scheduled.items():
+        spec, received, i = specs[int(rid)], 0, 0
+        while received < spec.prompt_len + 1:
+            received, i = received + counts[i], i + 1
+        assert received == spec.prompt_len + 1 and counts[i:] == [1] * (spec.output_len - 2), rid
+    # Taking a context is a KV write, not a prefill: no decode-pool step costs as much as
+    # computing 512 prompt tokens did in the prefill pool.
+    prefill_512 = min(s.duration for e in prefill_pool for s in e.steps if s.num_prefill_tokens >= 512)
+    assert max(s.duration for e in decode_pool for s in e.steps) < prefill_512
 
 
 def test_bad_arguments():

@@ -8,6 +8,7 @@ import pytest
 from tinyserve.bench import crossover as xo
 from tinyserve import hardware as hwm
 from tinyserve import measure
+from tinyserve.model import get_preset
 
 
 def test_predicted_crossover_converts_for_dtype():
@@ -35,19 +36,47 @@ def test_default_batch_sizes_are_log_spaced_and_monotone():
 
 def test_gemm_stack_sweep_tiny():
     stack = xo.GemmStack(hidden=64, num_layers=2)
-    assert stack.num_parameters == 2 * sum(a * b for a, b in xo.layer_shapes(64))
-    assert stack.weight_bytes == 4 * stack.num_parameters
-    sizes = [1, 2, 4, 8]
-    times = xo.sweep_gemm_stack(stack, sizes, repeats=2)
-    assert len(times) == len(sizes) and all(t > 0 for t in times)
+    # Llama's four matrices per layer: QKV 64x192, output 64x64, gate/up 64x344, down 172x64
+    assert stack.num_parameters == 2 * (64 * 192 + 64 * 64 + 64 * 344 + 172 * 64)
+    assert sum(w.numel() for w in stack.weights) == stack.num_parameters
+    assert stack.weight_bytes == sum(w.numel() * w.element_size() for w in stack.weights)
     assert xo.stack_config("cpu")["dtype"] == "fp32"
     assert 0.9 < xo.stack_config("cpu")["num_layers"] * 4 * sum(
         a * b for a, b in xo.layer_shapes(1024)) / 2**30 < 1.1
 
 
+def test_the_cpu_sweep_keeps_each_batch_sizes_best_round(monkeypatch):
+    """On a fake clock, the step at batch B takes B ms, plus 50 ms in the one round a burst
+    of load hits it (a different round for each B). The sweep reports B ms for every B,
+    in the order given: the best of the rounds, not the first, the last or the mean."""
+    clock, calls = [0.0], {}
+    burst_at_call = {1: 2, 2: 3, 4: 4}               # call 1 is the warm-up; 8 is never hit
+
+    def step_fn(self, batch, prepack=False):
+        def step():
+            calls[batch] = calls.get(batch, 0) + 1
+            clock[0] += batch * 1e-3 + (50e-3 if burst_at_call.get(batch) == calls[batch] else 0.0)
+        return step
+
+    monkeypatch.setattr(xo.GemmStack, "step_fn", step_fn)
+    monkeypatch.setattr(xo.time, "perf_counter", lambda: clock[0])
+    times = xo.sweep_gemm_stack(xo.GemmStack(hidden=8, num_layers=1), [8, 1, 4, 2], repeats=3)
+    assert times == pytest.approx([8e-3, 1e-3, 4e-3, 2e-3], rel=1e-9)
+    assert calls == {8: 4, 1: 4, 4: 4, 2: 4}         # one warm-up and three rounds each
+
+
 def test_engine_sweep_tiny():
     times, info = xo.sweep_engine([1, 2, 4], model="tiny", steps=2)
-    assert len(times) == 3 and all(t > 0 for t in times)
+    assert len(times) == 3
+    # What a decode step reads: every weight but the embedding table (of which it reads a
+    # few rows), counted here from the preset's shapes, not from the model object.
+    cfg = get_preset("tiny")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    attention = cfg.hidden_size * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    norms = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size
+    assert info["num_parameters_read"] == cfg.num_hidden_layers * (attention + mlp) + norms + head
     assert info["dtype"] == "fp32" and info["weight_bytes"] == 4 * info["num_parameters_read"]
 
 
@@ -100,7 +129,11 @@ def test_plots_and_widget_smoke():
     pytest.importorskip("ipywidgets")
     from tinyserve.book import widgets
     box = widgets.crossover_calculator()
-    assert box.children
+    controls, summary = box.children[:2], box.children[2]
+    assert "B = 153</b>" in summary.value                      # the chapter's A100 figure
+    dtype = controls[1].children[0]
+    dtype.value = "fp32"                                       # moving a control recomputes it
+    assert f"B = {hwm.crossover_batch(hwm.A100_SXM_80GB, hwm.LLAMA_7B, 'fp32'):.0f}</b>" in summary.value
     data = box._repr_mimebundle_()
     data = data[0] if isinstance(data, tuple) else data
     assert data["text/plain"] == widgets.STATIC_TEXT           # not VBox(children=(...))

@@ -135,3 +135,23 @@ def test_the_worst_row_is_the_largest_miss():
 def test_the_roofline_preset_is_untouched_by_the_calibrated_terms():
     assert ROOFLINE.name == "roofline" and not hasattr(ROOFLINE, "frontend_time")
     assert simulate([RequestSpec(0.0, 100, 4)]).config["cost_model"] == "roofline"
+
+
+def test_the_fidelity_report_simulates_each_point_once_per_cost_model(monkeypatch):
+    """``bench sim --fidelity`` prints the simulated batch and preemptions beside the
+    errors: from the same runs as the predictions (one per point and model), not from
+    runs of their own, and equal to what ``predict`` reports for that point."""
+    from tinyserve.bench import sim as bench_sim
+
+    few = sorted(fidelity.measurements(), key=lambda m: len(fidelity.workload(m)))[:2]   # quick ones
+    monkeypatch.setattr(fidelity, "measurements",
+                        lambda split=None: [m for m in few if split in (None, m["split"])])
+    runs = []
+    real_simulate = fidelity.simulate
+    monkeypatch.setattr(fidelity, "simulate", lambda *a, **k: runs.append(a) or real_simulate(*a, **k))
+    report = bench_sim.published_fidelity("vllm-like", verbose=False)
+    assert len(runs) == 2 * len(few)                          # roofline and vllm-like, once each
+    extra = ("mean_batch_size", "num_preemptions")
+    for m in few:
+        predicted = fidelity.predict(m, "vllm-like", extra)
+        assert report["running"][m["id"]] == {key: predicted[key] for key in extra}

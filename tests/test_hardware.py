@@ -14,8 +14,9 @@ from tinyserve.hardware import (
     decode_step_time, kv_bytes_per_token, per_request_compute_time, tokens_per_second,
     weight_bytes, weight_read_time,
 )
-from tinyserve import measure
+from tinyserve import host, measure
 from tinyserve.measure import find_knee, fit_knee, measure_device
+from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
 from tinyserve.model import KVCache, LlamaForServing, ModelConfig, get_preset
 
 
@@ -124,11 +125,45 @@ def test_find_knee_flat_and_bad_input():
         find_knee([0, 2, 4], [1.0, 1.0, 2.0])
 
 
-def test_measure_device_tiny():
+def matmul_paths() -> list[str]:
+    """The matmul paths measure_device times on this CPU, in its order."""
+    return ["torch.matmul"] + [f"{p} packed" for p in PACKED_PATHS
+                               if prepacked_linear(torch.zeros(1, 1), 1, p) is not None]
+
+
+def test_measure_device_divides_bytes_and_flops_by_the_time_and_keeps_the_fastest_matmul(monkeypatch):
+    """A clock that gives every timed op a fixed duration, in the order they are set up:
+    the copy 2 ms, then the matmul paths 5, 4, 3 ms (the last one available is the fastest).
+    The ceilings must be exactly bytes (read + write) and 2 n^3 FLOPs over those times,
+    with the peak from the fastest path, named in ``source``."""
+    durations = iter([2e-3, 5e-3, 4e-3, 3e-3])
+
+    def fake_clock():
+        def timed(op):
+            seconds = next(durations)
+
+            def run():
+                op()                        # the op still runs: a path that crashes fails here
+                return seconds
+            return run
+        return (lambda: None), timed
+
+    monkeypatch.setattr(measure, "_cpu_clock", fake_clock)
+    n, mib = 64, 4
+    spec = measure_device("cpu", seconds=0.02, copy_mib=mib, matmul_size=n)
+    paths = matmul_paths()
+    fastest = [5e-3, 4e-3, 3e-3][len(paths) - 1]
+    assert spec.memory_bandwidth == pytest.approx(2 * mib * 2**20 / 2e-3, rel=1e-12)
+    assert spec.flops == {"fp32": pytest.approx(2 * n**3 / fastest, rel=1e-12)}
+    assert f"fp32 peak from {paths[-1]} (" in spec.source
+    assert all(name in spec.source for name in paths)
+
+
+def test_measure_device_on_this_cpu_times_every_matmul_path():
     spec = measure_device("cpu", seconds=0.05, copy_mib=4, matmul_size=128)
-    assert spec.memory_bandwidth > 0 and math.isfinite(spec.memory_bandwidth)
-    assert spec.flops["fp32"] > 0 and math.isfinite(spec.flops["fp32"])
-    assert spec.name and "measured" in spec.source
+    rates = spec.source.split("fp32 peak from ", 1)[1].split(" (", 1)[1].split(" TFLOP/s")[0]
+    assert [part.rsplit(" ", 1)[0] for part in rates.split(", ")] == matmul_paths()
+    assert math.isfinite(spec.flops["fp32"]) and math.isfinite(spec.memory_bandwidth)
 
 
 NEW_PRESETS = ("RTX_3090", "RTX_4090", "L4", "L40S")
@@ -185,11 +220,11 @@ def test_new_presets_values():
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="free_cores reads /proc/stat (Linux)")
 def test_free_cores_leaves_out_a_core_another_program_keeps_busy():
-    cores = measure.usable_cores()
+    cores = host.usable_cores()
     hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.5)                       # the spinning child is running by now
-        assert measure.free_cores(sample=0.5) == max(1, cores - 1)
+        assert host.free_cores(sample=0.5) == max(1, cores - 1)
     finally:
         hog.kill()
         hog.wait()
@@ -208,12 +243,12 @@ def test_free_cores_counts_only_other_programs(monkeypatch, busy, own, others):
     n = len(os.sched_getaffinity(0))
     ticks = iter([(0, 0), (busy, 100 * n)])             # (busy, total) before and after the sample
     owns = iter([0, own])
-    monkeypatch.setattr(measure, "_cpu_jiffies", lambda cpus: next(ticks))
-    monkeypatch.setattr(measure, "_own_jiffies", lambda: next(owns))
-    monkeypatch.setattr(measure.time, "sleep", lambda s: None)
-    assert measure.free_cores() == max(1, n - others)
+    monkeypatch.setattr(host, "_cpu_jiffies", lambda cpus: next(ticks))
+    monkeypatch.setattr(host, "_own_jiffies", lambda: next(owns))
+    monkeypatch.setattr(host.time, "sleep", lambda s: None)
+    assert host.free_cores() == max(1, n - others)
 
 
 def test_free_cores_falls_back_to_all_cores_without_proc(monkeypatch):
-    monkeypatch.setattr(measure.os.path, "exists", lambda path: False)
-    assert measure.free_cores() == measure.usable_cores()
+    monkeypatch.setattr(host.os.path, "exists", lambda path: False)
+    assert host.free_cores() == host.usable_cores()

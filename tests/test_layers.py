@@ -10,6 +10,7 @@ that is not a module of the package fails instead of being skipped.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,12 @@ PACKAGE = Path(tinyserve.__file__).parent
 # checkpoint (the file format) sits on the model, never under it.
 CORE_ROWS = [
     ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose_facts", "routing",
-     "tokenizer", "chat_template", "kernels"],                    # import nothing of ours
-    ["policies", "measure", "hf_tokenizer", "diagnose"],
+     "tokenizer", "chat_template", "kernels", "host"],            # import nothing of ours
+    ["policies", "hf_tokenizer", "diagnose"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],
-    ["executor"],
+    ["executor", "measure"],                                      # measure times packed GEMMs
     ["engine"],
 ]
 CORE = [name for row in CORE_ROWS for name in row]
@@ -183,3 +184,43 @@ def test_private_names_are_never_imported_across_modules():
                 if private:
                     found.append(f"{path.relative_to(PACKAGE)}: {private} from {node.module}")
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def cycle_among(files: list[Path]) -> list[str] | None:
+    """A chain of imports among ``files`` that comes back to where it started, or None."""
+    names = {f"{package_of(f)}.{f.stem}": f for f in files if f.stem != "__init__"}
+    edges = {name: sorted(m for m in imported_modules(f) if m in names and m != name)
+             for name, f in names.items()}
+    done, path = set(), []
+
+    def visit(name: str) -> list[str] | None:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return None
+        path.append(name)
+        for m in edges[name]:
+            if (found := visit(m)) is not None:
+                return found
+        path.pop()
+        done.add(name)
+        return None
+
+    return next((c for c in map(visit, sorted(names)) if c is not None), None)
+
+
+@pytest.mark.parametrize("subpackage", ["serving", "sim", "bench", "kernels"])
+def test_the_modules_of_a_subpackage_import_each_other_in_one_order(subpackage):
+    """Inside a folder the table above does not reach: no circle of imports (the
+    OpenAI format's modules, for one, stack responses -> errors -> request_parsing)."""
+    cycle = cycle_among(module_files(subpackage))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("from tinyserve.b import x\n")
+    (tmp_path / "b.py").write_text("import tinyserve.a\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+        assert cycle_among([tmp_path / "a.py", tmp_path / "b.py"]) == [
+            "tinyserve.a", "tinyserve.b", "tinyserve.a"]

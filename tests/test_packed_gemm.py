@@ -83,12 +83,12 @@ def test_other_dtypes_are_not_packed():
 
 
 def test_the_default_packs_weights_larger_than_the_last_level_cache(monkeypatch):
-    from tinyserve import engine, measure
+    from tinyserve import engine, host
     model = LlamaForServing.from_seed(get_preset("tiny"))
     size = packed_gemm.weight_bytes(model)
-    monkeypatch.setattr(measure, "l3_cache_bytes", lambda: size - 1)
+    monkeypatch.setattr(host, "l3_cache_bytes", lambda: size - 1)
     assert engine.default_enforce_eager(model) is False           # streams from memory: pack
-    monkeypatch.setattr(measure, "l3_cache_bytes", lambda: size)
+    monkeypatch.setattr(host, "l3_cache_bytes", lambda: size)
     assert engine.default_enforce_eager(model) is True            # fits in the cache: eager
     assert engine.default_enforce_eager(model.to(torch.bfloat16)) is True
 

@@ -11,7 +11,10 @@ import sys
 import pytest
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.kv_cache import BlockManager, chain_hash
+from tinyserve.kv_cache import BlockManager, blocks_for, chain_hash
+from tinyserve.scheduler import Scheduler
+from tinyserve.sim import simulate
+from tinyserve.workload import RequestSpec
 
 
 def shared_prefix_prompts(seed, groups=3, per_group=4, prefix_len=40, vocab=2045):
@@ -230,3 +233,76 @@ def test_chain_hash_is_the_same_in_another_process_whatever_its_hash_seed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
     assert out == chain_hash(chain_hash(None, ids), ids).hex()
+
+
+def lookup_from_scratch(scheduler, request):
+    """The lookup as it was before requests kept their block hashes: every call hashes
+    the whole prompt again."""
+    if request.num_computed_tokens or not scheduler.block_manager.enable_prefix_caching:
+        return []
+    return scheduler.block_manager.find_cached_prefix(request.all_token_ids)
+
+
+def random_prefix_workload(rng, block_size):
+    """Requests in a few shared-prefix groups (prefixes around block boundaries), arriving
+    in bursts onto a cache too small for all of them: heads of the queue wait, some are
+    preempted and come back."""
+    specs = []
+    for _ in range(rng.randint(10, 30)):
+        group = rng.randrange(3)
+        prefix = block_size * rng.randint(0, 4) + rng.randint(-1, 1) if group else 0
+        prompt = max(1, prefix) + rng.randint(0, 3 * block_size)
+        specs.append(RequestSpec(arrival=rng.choice([0.0, 0.0, rng.uniform(0, 0.2)]),
+                                 prompt_len=prompt, output_len=rng.randint(1, 24),
+                                 prefix_group=group if prefix > 0 else None, prefix_len=max(0, prefix)))
+    return specs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_kept_block_hashes_change_no_lookup_result(monkeypatch, seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    specs = random_prefix_workload(rng, block_size)
+    most = max(blocks_for(s.prompt_len + s.output_len, block_size) for s in specs)
+    knobs = dict(block_size=block_size, num_kv_blocks=most + rng.randint(0, 2 * most),
+                 max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.choice([8, 16, 64]),
+                 batching=rng.choice(["continuous", "continuous", "static"]), enable_prefix_caching=True,
+                 check_invariants=True)
+    kept = simulate(specs, **knobs)
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "_prefix_hits", lookup_from_scratch)
+        scratch = simulate(specs, **knobs)
+    assert [o.metrics for o in kept] == [o.metrics for o in scratch]
+    assert (kept.prefix_cache_hit_rate, kept.num_preemptions) == \
+        (scratch.prefix_cache_hit_rate, scratch.num_preemptions)
+
+
+def test_a_head_of_queue_request_that_cannot_be_admitted_is_hashed_once(monkeypatch):
+    """It shares 8 cached blocks with a running request but needs more free blocks than
+    the running one leaves, so it waits at the head of the queue for many steps, looked
+    up at every one: its blocks are hashed at the first lookup only."""
+    from tinyserve import kv_cache
+
+    llm = LLM("tiny", seed=0, block_size=4, num_kv_blocks=24, enable_chunked_prefill=False)
+    engine = llm.engine
+    prefix = list(range(100, 132))                               # 8 blocks
+    engine.add_request(prefix + [7], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(5):                                           # now it holds 10 of the 24 blocks
+        engine.step()
+    lookups = []
+    real_hash = kv_cache.chain_hash
+
+    def counted(parent, tokens):
+        if sys._getframe(1).f_code.co_name == "find_cached_prefix":
+            lookups.append(tuple(tokens))
+        return real_hash(parent, tokens)
+
+    monkeypatch.setattr(kv_cache, "chain_hash", counted)
+    head = engine.requests[engine.add_request(prefix + list(range(200, 260)), SamplingParams(max_tokens=1))]
+    waited = 0
+    while head.status.name == "WAITING":
+        engine.step()
+        waited += 1
+    assert waited >= 10
+    assert len(lookups) == len(set(lookups)) == 9                # 8 hits and the first miss
+    assert head.num_cached_tokens == 32

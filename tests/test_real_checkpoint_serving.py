@@ -14,7 +14,7 @@ from test_engine import hf_greedy
 from test_hf_tokenizer import CHATML_TEMPLATE, SAMPLES, train_byte_level
 from tinyserve import LLM, SamplingParams
 from tinyserve.serving.processes import ServerProcess
-from tinyserve.serving.protocol import chat_renderer
+from tinyserve.serving.request_parsing import chat_renderer
 
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")

@@ -13,7 +13,8 @@ from tinyserve.bench.soak import hang_up_mid_stream
 from tinyserve.serving.client import iter_sse
 from tinyserve.serving.app import build_app
 from tinyserve.serving.processes import ServerProcess, parse_prometheus
-from tinyserve.serving.protocol import BadRequest, parse_request, render_chat
+from tinyserve.serving.errors import BadRequest
+from tinyserve.serving.request_parsing import parse_request, render_chat
 
 SERVE_ARGS = ["serve", "--model", "tiny", "--seed", "0", "--threads", "1", "--max-num-seqs", "32"]
 

@@ -26,7 +26,8 @@ from tinyserve.bench.soak import check_soak, hang_up_mid_stream, soak_async, wai
 from tinyserve.executor import sample_token
 from tinyserve.serving.app import ENGINE_KEY, ServerConfig, build_app
 from tinyserve.serving.processes import ServerProcess
-from tinyserve.serving.protocol import StopStrings, render_chat
+from tinyserve.serving.request_parsing import render_chat
+from tinyserve.serving.stops_and_logprobs import StopStrings
 from tinyserve.tokenizer import CACHE_ENTRIES, load_default_tokenizer
 
 from server_harness import Background

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from tinyserve.measure import paired_ratio
+from tinyserve.host import paired_ratio
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
 
 # vLLM's default capture sizes start 1, 2, 4, 8, then go in steps of 8; powers of two

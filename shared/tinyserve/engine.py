@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tinyserve import measure, packed_gemm
+from tinyserve import host, packed_gemm
 from tinyserve.checkpoint import load_pretrained, save_pretrained, saved_dtype
 from tinyserve.compiled_step import CAPTURE_SIZES, capture_sizes_for
 from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
@@ -306,7 +306,7 @@ def default_enforce_eager(model: LlamaForServing) -> bool:
     hardware yet: eager there, as for other dtypes on a CPU."""
     if not packed_gemm.supported(model):
         return True
-    cache = measure.l3_cache_bytes() or 32 * 2**20
+    cache = host.l3_cache_bytes() or 32 * 2**20
     return packed_gemm.weight_bytes(model) <= cache
 
 

@@ -1,72 +1,32 @@
-"""Measuring the machine we run on: its two roofline ceilings, and the knee of a curve.
+"""Benchmark tooling: this machine's two roofline ceilings, and the knee of a curve.
 
 ``measure_device`` times a large copy (memory bandwidth) and large matmuls per
 dtype (FLOP/s) and returns them as a ``hardware.HardwareSpec``, so the roofline
-of ``tinyserve.hardware`` can predict this machine's crossover.
-``fit_knee`` / ``find_knee`` locate the crossover in a measured curve of step
-time against batch size: a flat-then-linear hinge, fitted by least squares.
+of ``tinyserve.hardware`` can predict this machine's crossover; on a CPU the
+peak is the fastest of torch's matmul and the packed GEMMs the sweeps run.
+``read_bandwidth`` times a read-only pass. ``fit_knee`` / ``find_knee`` locate
+the crossover in a measured curve of step time against batch size: a
+flat-then-linear hinge, fitted by least squares. ``this_machine`` says what a
+number was measured on (CPU model, cores, L3, copy bandwidth, versions).
 
-The discipline every timing in the book follows is here too, in one place:
-``median_time`` (warm-up, then the median of repeats), ``paired_ratio`` (A and B
-interleaved, the median of per-pair ratios, with their spread, so a busy moment
-slows both sides of a pair alike), ``fixed_threads`` (by default on the ``free_cores``,
-those other programs leave free) and ``this_machine`` (what a number was measured
-on: CPU model, cores, L3, copy bandwidth, versions).
+What the engine itself asks of the host (its L3, its free cores) and the timing
+discipline (``median_time``, ``paired_ratio``) are in ``tinyserve.host``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib.metadata
 import math
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from tinyserve.hardware import HardwareSpec
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
-
-
-def l3_cache_bytes() -> int | None:
-    """This CPU's last-level cache in bytes (summed over instances), or None if unknown."""
-    try:
-        sizes = {}
-        base = "/sys/devices/system/cpu"
-        for cpu in sorted(os.listdir(base)):
-            cache = os.path.join(base, cpu, "cache")
-            if not cpu.startswith("cpu") or not os.path.isdir(cache):
-                continue
-            for index in os.listdir(cache):
-                folder = os.path.join(cache, index)
-                if not index.startswith("index"):
-                    continue
-                with open(os.path.join(folder, "level")) as f:
-                    if f.read().strip() != "3":
-                        continue
-                with open(os.path.join(folder, "shared_cpu_list")) as f:
-                    shared = f.read().strip()
-                with open(os.path.join(folder, "size")) as f:
-                    text = f.read().strip().upper()
-                scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
-                sizes[shared] = int(text.rstrip("KMG")) * scale
-        return sum(sizes.values()) or None
-    except (OSError, ValueError):
-        return None
+from tinyserve.host import cpu_name, l3_cache_bytes, median_time, usable_cores
 
 
 def _host_memory() -> float:
@@ -85,138 +45,6 @@ def _median_time(fn, sync, seconds: float, min_reps: int = 3) -> float:
     while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < 50):
         times.append(fn())
     return statistics.median(times)
-
-
-def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
-                sync: Callable[[], None] | None = None) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
-    if repeats < 1:
-        raise ValueError(f"repeats: need at least 1, got {repeats}")
-    sync = sync or (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-@dataclass(frozen=True)
-class PairedRatio:
-    """``time(a) / time(b)`` over interleaved pairs: the median, and the spread of the ratios."""
-
-    median: float
-    low: float        # the second-smallest ratio (the smallest for fewer than 5 pairs)
-    high: float       # the second-largest ratio
-    ratios: tuple[float, ...]
-    seconds_a: float  # median time of a
-    seconds_b: float  # median time of b
-
-    @property
-    def spread(self) -> float:
-        """(high - low) / median: how much one run of this machine can be trusted."""
-        return (self.high - self.low) / self.median if self.median else math.inf
-
-    def __str__(self) -> str:
-        return f"{self.median:.2f}x (pairs {self.low:.2f}-{self.high:.2f}, n={len(self.ratios)})"
-
-
-def paired_ratio(a: Callable[[], object], b: Callable[[], object], pairs: int = 7,
-                 warmup: int = 1, sync: Callable[[], None] | None = None) -> PairedRatio:
-    """How many times slower ``a`` is than ``b``, measured robustly on a busy machine.
-
-    Each pair times ``a`` and ``b`` back to back, in alternating order (ABBA...), so
-    a slow moment of the machine slows both members of a pair and drift cancels;
-    the result is the median of the per-pair ratios, not a ratio of best times.
-    """
-    if pairs < 1:
-        raise ValueError(f"pairs: need at least 1, got {pairs}")
-    sync = sync or (lambda: None)
-    for _ in range(warmup):
-        a(), b()
-    sync()
-
-    def timed(fn):
-        start = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - start
-
-    ta, tb = [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            ta.append(timed(a)), tb.append(timed(b))
-        else:
-            tb.append(timed(b)), ta.append(timed(a))
-    ratios = sorted(x / y for x, y in zip(ta, tb))
-    k = 1 if len(ratios) >= 5 else 0
-    return PairedRatio(statistics.median(ratios), ratios[k], ratios[-1 - k], tuple(ratios),
-                       statistics.median(ta), statistics.median(tb))
-
-
-@contextlib.contextmanager
-def fixed_threads(n: int | None = None):
-    """Run the block with torch on ``n`` threads (default: the cores free right now), then restore."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n or free_cores())
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def free_cores(sample: float = 0.3) -> int:
-    """The usable cores that other programs are not keeping busy right now (at least 1).
-
-    Over ``sample`` seconds, the busy time of this process's cores (``/proc/stat``) minus
-    this process's own CPU time says how many cores others use. A torch op split over
-    N threads waits for its slowest thread, so one thread sharing a core with a busy
-    program slows every op down (on a 2-core machine beside one busy process, a whole
-    notebook ran over 10 times slower on 2 threads). A virtual machine's steal time (the
-    host running someone else on our core) counts as busy: the core is not ours then.
-    Where ``/proc`` is missing, all usable cores.
-    """
-    if not (hasattr(os, "sched_getaffinity") and os.path.exists("/proc/stat")):
-        return usable_cores()
-    cpus = os.sched_getaffinity(0)
-    cores = len(cpus)
-    busy0, total0, own0 = *_cpu_jiffies(cpus), _own_jiffies()
-    time.sleep(sample)
-    busy1, total1, own1 = *_cpu_jiffies(cpus), _own_jiffies()
-    if total1 <= total0:
-        return cores
-    others = max(0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * len(cpus)
-    return max(1, cores - round(others))
-
-
-def _cpu_jiffies(cpus) -> tuple[int, int]:
-    """(busy, total) clock ticks so far, summed over ``cpus`` (from /proc/stat)."""
-    busy = total = 0
-    with open("/proc/stat") as f:
-        for line in f:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                ticks = [int(x) for x in fields[:8]]     # user nice system idle iowait irq softirq steal
-                total += sum(ticks)
-                busy += sum(ticks) - ticks[3] - ticks[4]
-    return busy, total
-
-
-def _own_jiffies() -> int:
-    """This process's user + system clock ticks so far (/proc/self/stat)."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def _version(name: str) -> str:
@@ -276,8 +104,13 @@ def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = Non
 
     Bandwidth: a large ``dst.copy_(src)`` moves ``2 x size`` bytes (read and
     write). Peak: an ``n x n`` matmul does ``2 n^3`` FLOPs, in fp32 on a CPU and
-    in fp16 and bf16 on a GPU (only measured dtypes appear in ``flops``). Each
-    figure is the median of a few runs within about ``seconds / 2``. Defaults:
+    in fp16 and bf16 on a GPU (only measured dtypes appear in ``flops``). On a CPU
+    the peak is the fastest of ``torch.matmul`` and the packed GEMMs that the
+    crossover sweeps and ``enforce_eager=False`` run (``packed_gemm.prepacked_linear``):
+    on some CPUs a packed GEMM outruns the default path by a wide margin, and a
+    slope compared with 2P/F must use the F of the GEMM that made the slope. The
+    ``source`` names the path that gave each dtype's peak, and every path's rate.
+    Each figure is the median of a few runs within about ``seconds / 2``. Defaults:
     256 MiB buffers and n = 1536 on a CPU (about 1-3 s), 1 GiB and n = 8192 on a GPU.
     """
     import torch
@@ -293,13 +126,15 @@ def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = Non
 
     bandwidth = _copy_bandwidth(dev, copy_mib, sync, timed, budget)
     dtypes = ("fp16", "bf16") if on_gpu else ("fp32",)
-    flops = {dtype: _matmul_flops(dev, dtype, n, sync, timed, budget / len(dtypes))
+    rates = {dtype: _matmul_flops(dev, dtype, n, sync, timed, budget / len(dtypes))
              for dtype in dtypes}
+    flops = {dtype: max(by_path.values()) for dtype, by_path in rates.items()}
 
     name, memory = _device_name_and_memory(dev) if on_gpu else _host_name_and_memory()
     date = datetime.datetime.now().isoformat(timespec="seconds")
     source = (f"measured by tinyserve.measure.measure_device on {date}: copy_ of {copy_mib} MiB, "
-              f"{n}x{n} matmul, torch {torch.__version__}")
+              f"{n}x{n} matmul ({'; '.join(_fastest_path(d, r) for d, r in rates.items())}), "
+              f"torch {torch.__version__}")
     return HardwareSpec(name=name, flops=flops, memory_bandwidth=bandwidth,
                         memory_size=memory, source=source)
 
@@ -362,17 +197,35 @@ def _copy_bandwidth(dev, copy_mib: int, sync, timed, budget: float) -> float:
     return bandwidth
 
 
-def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> float:
-    """FLOP/s of an ``n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs), into a preallocated output."""
+def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> dict[str, float]:
+    """FLOP/s of an ``n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs) by path: ``torch.matmul``
+    into a preallocated output, and each packed GEMM this torch has for it (CPU fp32:
+    ``b`` packed once for ``n`` rows, as the sweeps pack their weights)."""
     import torch
+
+    from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
 
     tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a = torch.randn(n, n, device=dev).to(tdtype)
     b = torch.randn(n, n, device=dev).to(tdtype)
     c = torch.empty(n, n, device=dev, dtype=tdtype)
-    t = _median_time(timed(lambda: torch.matmul(a, b, out=c)), sync, budget)
-    del a, b, c
-    return 2 * n**3 / t
+    ops = {"torch.matmul": lambda: torch.matmul(a, b, out=c)}
+    for path in PACKED_PATHS:
+        packed = prepacked_linear(b.t(), n, path)        # x -> x @ b, b packed once
+        if packed is not None:
+            ops[f"{path} packed"] = lambda packed=packed: packed(a)
+    with torch.inference_mode():
+        rates = {name: 2 * n**3 / _median_time(timed(op), sync, budget / len(ops))
+                 for name, op in ops.items()}
+    del a, b, c, ops
+    return rates
+
+
+def _fastest_path(dtype: str, rates: dict[str, float]) -> str:
+    """``fp32 peak from onednn packed (torch.matmul x, mkl packed y, onednn packed z TFLOP/s)``."""
+    best = max(rates, key=rates.get)
+    each = ", ".join(f"{name} {rate / 1e12:.3g}" for name, rate in rates.items())
+    return f"{dtype} peak from {best} ({each} TFLOP/s)"
 
 
 def _device_name_and_memory(dev) -> tuple[str, float]:

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from tinyserve.compiled_step import scratch_decode
-from tinyserve.measure import paired_ratio
+from tinyserve.host import paired_ratio
 from tinyserve.model import KVCache, LlamaForServing
 
 # False: enforce_eager=False compiles graphs on a CPU too (tests of compiled_step).

@@ -111,6 +111,11 @@ class Request:
     num_cached_tokens: int = 0
     cached_tokens_per_admission: list[int] = field(default_factory=list)
     prefix_checked: bool = False           # looked up in the prefix cache since last admitted
+    # Chain hashes of its first full blocks, computed by prefix-cache lookups while it
+    # waits (kv_cache.find_cached_prefix extends them), so a request that waits many
+    # steps is hashed once. Dropped when it is admitted: its blocks carry the chain from
+    # then on, and a preempted request looks itself up afresh.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     # Timestamps (seconds on the engine's clock) and per-stage durations.
     tokenize_time: float = 0.0

@@ -226,10 +226,13 @@ class Scheduler:
         """Cached blocks a request with nothing computed yet could start from."""
         if request.num_computed_tokens or not self.block_manager.enable_prefix_caching:
             return []
-        return self.block_manager.find_cached_prefix(request.all_token_ids)
+        # Only a preempted request has output tokens to look up: no prompt copy otherwise.
+        tokens = request.all_token_ids if request.output_token_ids else request.prompt_token_ids
+        return self.block_manager.find_cached_prefix(tokens, request.block_hashes)
 
     def _claim_prefix(self, request: Request, hits: list[int]) -> None:
         request.prefix_checked = True
+        request.block_hashes = []
         if not self.block_manager.enable_prefix_caching:
             return
         cached = self.block_manager.claim_cached_prefix(request.request_id, hits, request.num_tokens)

@@ -15,11 +15,12 @@ linearly after. This module checks that on the machine it runs on:
      layers have 7B shapes (hidden 4096, MLP 11008, 32 layers, fp16: 13 GB),
      replayed as one CUDA graph so kernel launches do not count. On a CPU they
      are scaled down to hidden 1024 (MLP 2752) in fp32, with enough layers for
-     about 1 GiB of weights: 30x a 32 MiB last-level cache, so every step
-     streams the weights from DRAM, while each matrix (at most 22 MiB) still
-     fits the cache that the BLAS library packs it through. (A CPU BLAS copies
-     and repacks the weight of a thin GEMM; with 7B-sized 360 MB matrices that
-     repacking itself goes to DRAM and triples the step time at B >= 2.)
+     about 1 GiB of weights: many times a server CPU's last-level cache (tens
+     of MiB), so every step streams the weights from DRAM, while each matrix
+     (at most 22 MiB) still fits the cache that the BLAS library packs it
+     through. (A CPU BLAS copies and repacks the weight of a thin GEMM; with
+     7B-sized 360 MB matrices that repacking itself goes to DRAM and multiplies
+     the step time at B >= 2.)
    * **tinyserve's own model**: pure decode steps of the ``cpu-bench`` preset
      through the engine (as notebook 01 does), timed from ``engine.step_stats``;
 
@@ -49,7 +50,7 @@ import numpy as np
 import torch
 
 from tinyserve import hardware as hwm
-from tinyserve import measure
+from tinyserve import host, measure
 from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -234,7 +235,7 @@ def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: 
 
     The packed step uses whichever packed GEMM is faster on this CPU at that batch
     (MKL's or oneDNN's, two interleaved pairs decide); then, up to ``eager_up_to``,
-    eager and packed alternate for ``pairs`` pairs (``measure.paired_ratio``), so a
+    eager and packed alternate for ``pairs`` pairs (``host.paired_ratio``), so a
     busy moment slows both. Past it only the packed step is timed (the median of
     ``pairs``): the large batches are there for the compute slope, and eager steps
     there cost seconds. Each row: ``batch``, ``path``, ``packed_s``, ``eager_s``
@@ -248,10 +249,10 @@ def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: 
             eager = stack.step_fn(b)
             path, packed = fastest_packed(stack, b)
             if b <= eager_up_to:
-                ratio = measure.paired_ratio(eager, packed, pairs=pairs)
+                ratio = host.paired_ratio(eager, packed, pairs=pairs)
                 row = {"packed_s": ratio.seconds_b, "eager_s": ratio.seconds_a, "ratio": ratio}
             else:
-                row = {"packed_s": measure.median_time(packed, repeats=pairs), "eager_s": float("nan"),
+                row = {"packed_s": host.median_time(packed, repeats=pairs), "eager_s": float("nan"),
                        "ratio": None}
             rows.append({"batch": b, "path": path, **row})
             del packed
@@ -270,19 +271,19 @@ def fastest_packed(stack: GemmStack, batch: int):
     with torch.inference_mode():
         for other_path in paths[1:]:
             other = stack.step_fn(batch, prepack=other_path)
-            if measure.paired_ratio(packed, other, pairs=2).median > 1.0:
+            if host.paired_ratio(packed, other, pairs=2).median > 1.0:
                 path, packed = other_path, other
     return path, packed
 
 
-def b1_over_read(stack: GemmStack, pairs: int = 7, path: str | None = None) -> measure.PairedRatio:
+def b1_over_read(stack: GemmStack, pairs: int = 7, path: str | None = None) -> host.PairedRatio:
     """CPU: the packed B=1 step over a plain read (a sum) of the same weights, interleaved:
     how close one decode step's GEMMs come to the weight-read floor, measured at the same
     moment as the floor itself. ``path``: "mkl" or "onednn"; by default the faster of the
     two at B=1 on this CPU (``fastest_packed``), as the sweep uses."""
     with torch.inference_mode():
         step = stack.step_fn(1, prepack=path) if path else fastest_packed(stack, 1)[1]
-        ratio = measure.paired_ratio(step, lambda: [w.sum() for w in stack.weights], pairs=pairs)
+        ratio = host.paired_ratio(step, lambda: [w.sum() for w in stack.weights], pairs=pairs)
     stack.release()
     return ratio
 
@@ -384,7 +385,7 @@ def spec_to_dict(hw: hwm.HardwareSpec) -> dict:
 
 
 def machine_info(device: str) -> dict:
-    info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": measure.cpu_name(),
+    info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": host.cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -403,6 +404,7 @@ def run(device: str | None = None, batch_sizes=None, weight_gib: float | None = 
     hw = measure.measure_device(device, seconds=measure_seconds)
     say(f"ceilings on {hw.name}: copy bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s, "
         + ", ".join(f"{d} matmul {f / 1e12:.3f} TFLOP/s" for d, f in hw.flops.items()))
+    say(f"  {hw.source}")
 
     cfg = stack_config(device, weight_gib)
     batch_sizes = list(batch_sizes or default_batch_sizes(device))

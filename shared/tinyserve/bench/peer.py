@@ -138,8 +138,8 @@ def tinyserve_run(llm, prompts, news) -> list[list[int]]:
 def run(model: str = "cpu-bench", scenarios=SCENARIOS, seed: int = 0, verbose: bool = True,
         continuous: bool = True) -> dict:
     """Every scenario on every engine, on all usable cores; the report (``print_report``)."""
-    from tinyserve import measure
-    with measure.fixed_threads():
+    from tinyserve import host
+    with host.fixed_threads():
         return _run(model, scenarios, seed, verbose, continuous)
 
 

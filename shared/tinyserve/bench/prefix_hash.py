@@ -16,8 +16,8 @@ import random
 import struct
 import timeit
 
+from tinyserve.host import cpu_name, usable_cores
 from tinyserve.kv_cache import chain_hash
-from tinyserve.measure import cpu_name, usable_cores
 
 
 def variants(block_size: int) -> dict:

@@ -17,8 +17,8 @@ pure decodes at batch 2 to 64 and single prefills of 16 to 256 tokens. The
 bandwidth may not exceed what a plain copy reaches (``measure_device``).
 
 Batch 1 is left out on purpose: with one row, torch multiplies by the weights
-as a matrix-vector product, a different and faster path (about 26 ms against
-36-45 ms for any 2-16 row step on the 2-core VM). A roofline has one floor;
+as a matrix-vector product, a different and faster path (``python -m
+tinyserve.bench step`` prints the B=1 step beside the others). A roofline has one floor;
 it is fitted to the matrix-matrix path that almost every step of a served
 workload takes, so a lone request's steps come out too slow.
 
@@ -198,13 +198,13 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
     roofline and by ``cost_model``, with the simulated mean running batch; then the
     worst error of each kind on each split, against the bounds of ``fidelity.BOUNDS``."""
     from tinyserve.sim.cost_model import get_cost_model
-    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, predict, worst
+    from tinyserve.sim.fidelity import BOUNDS, compare, measurements, miss, worst
 
     model = get_cost_model(cost_model)
     name = model.name
     by_id = {m["id"]: m for m in measurements()}
-    rows = compare(("roofline", model))
-    running = {i: predict(m, model, extra=("mean_batch_size", "num_preemptions")) for i, m in by_id.items()}
+    rows = compare(("roofline", model), extra=("mean_batch_size", "num_preemptions"))
+    running = {r.id: r.extra[name] for r in rows}
     if verbose:
         print(f"Simulator vs published vLLM measurements (cost models: roofline, {name})")
         if hasattr(model, "step_overhead"):

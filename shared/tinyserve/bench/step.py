@@ -4,7 +4,8 @@
 A decode step reads every weight once, so its floor is ``weight bytes / read
 bandwidth``, flat in the batch until compute catches up at the ceilings ratio
 ``peak FLOP/s / bandwidth x bytes per parameter / 2``. One run measures the
-ceilings (a ``sum`` and a copy for bandwidth, a square matmul for the peak),
+ceilings (a ``sum`` and a copy for bandwidth, for the peak a square matmul
+through torch or a packed GEMM, whichever is faster),
 then pure decode steps of the engine at B = 1 ... 64, eagerly and with
 ``enforce_eager=False`` (weights packed for oneDNN on a CPU, compiled graphs
 on a GPU; each bucket keeps the faster path), and prints each step as a

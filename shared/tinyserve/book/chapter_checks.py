@@ -10,7 +10,7 @@ calls them in chapter order. Three kinds, as the registry says:
 * measured: this CPU. Real engine runs, or a weight stack and tensors bigger than the
   last-level cache (the stack twice it, each tensor at least it), with warm-up, one fixed
   torch thread (on a shared CPU a second thread waits at every barrier for a core another
-  program holds) and interleaved pairs or rounds (``tinyserve.measure``). A timing-based
+  program holds) and interleaved pairs or rounds (``tinyserve.host``). A timing-based
   check passes ``measure``, so that strict mode measures again with more pairs before it
   fails; its band was sized from the spread of runs on a 2-core machine shared with
   several other busy programs (load average 2 to 8).
@@ -31,7 +31,7 @@ import torch
 
 from tinyserve import LLM, SamplingParams
 from tinyserve import hardware as hwm
-from tinyserve import measure
+from tinyserve import host
 from tinyserve.bench.crossover import GemmStack, fastest_packed, layer_shapes
 from tinyserve.packed_gemm import prepacked_linear
 from tinyserve.book import claims
@@ -79,7 +79,7 @@ def _one_thread(check: Callable) -> Callable:
     """Run a measured check, set-up included, on one torch thread (see the module doc)."""
     @functools.wraps(check)
     def run():
-        with measure.fixed_threads(1):
+        with host.fixed_threads(1):
             return check()
     return run
 
@@ -119,7 +119,7 @@ def c09():
 @functools.lru_cache(maxsize=1)
 def _stack() -> GemmStack:
     """Llama-shaped fp32 layers, at least 256 MiB and twice this CPU's last-level cache (made once)."""
-    want = max(256 * 2**20, 2 * (measure.l3_cache_bytes() or 0))
+    want = max(256 * 2**20, 2 * (host.l3_cache_bytes() or 0))
     layer = 4 * sum(i * o for i, o in layer_shapes(1024))                 # bytes of one fp32 layer
     return GemmStack(1024, math.ceil(want / layer))
 
@@ -302,7 +302,7 @@ def c04():
 
 def _tensors(count: int) -> list[torch.Tensor]:
     """``count`` fp32 tensors of max(64 MiB, this CPU's L3) each (filled, so every page is mapped)."""
-    numel = max(64 * 2**20, measure.l3_cache_bytes() or 0) // 4
+    numel = max(64 * 2**20, host.l3_cache_bytes() or 0) // 4
     return [torch.full((numel // 4096, 4096), 1.0 + 0.25 * i) for i in range(count)]
 
 
@@ -332,7 +332,7 @@ def c06():
     predicted = CHAIN_BYTES["unfused"] / CHAIN_BYTES["fused"]
 
     def remeasure(attempt):
-        pair = measure.paired_ratio(lambda: _unfused_chain(*args), lambda: _fused_chain(*args), pairs=7 + 4 * attempt)
+        pair = host.paired_ratio(lambda: _unfused_chain(*args), lambda: _fused_chain(*args), pairs=7 + 4 * attempt)
         _say(f"{args[0].nbytes >> 20} MiB tensors: unfused / fused {pair}; bytes "
              f"{CHAIN_BYTES['unfused']} vs {CHAIN_BYTES['fused']} tensors -> {predicted:.2f}x")
         return pair.median, predicted
@@ -351,11 +351,11 @@ def c07():
     src, sink = torch.ones(out.numel()), torch.zeros(out.numel())
 
     def remeasure(attempt):
-        bw = 2 * src.nbytes / measure.median_time(lambda: sink.copy_(src), repeats=3)
-        t_gemm = measure.median_time(gemm, repeats=3 + 2 * attempt)
+        bw = 2 * src.nbytes / host.median_time(lambda: sink.copy_(src), repeats=3)
+        t_gemm = host.median_time(gemm, repeats=3 + 2 * attempt)
         t = {v: n * out.nbytes / bw for v, n in CHAIN_BYTES.items()}      # roofline: bytes / bandwidth
         predicted = (t["unfused"] + t_gemm) / (t["fused"] + t_gemm)
-        pair = measure.paired_ratio(lambda: (_unfused_chain(*args, out), gemm()),
+        pair = host.paired_ratio(lambda: (_unfused_chain(*args, out), gemm()),
                                     lambda: (_fused_chain(*args, out), gemm()), pairs=5 + 4 * attempt)
         flops, moved = 2 * out.numel() * gemm_n, (CHAIN_BYTES["fused"] + 1) * out.nbytes
         _say(f"+ GEMM to {gemm_n} ({flops / t_gemm / 1e9:.0f} GFLOP/s; {flops / moved:.0f} FLOP/byte vs ridge "

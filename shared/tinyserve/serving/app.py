@@ -5,8 +5,9 @@
 
 Three threads, three jobs: the aiohttp event loop runs the handlers here, one
 tokenizer thread turns prompts into token ids, and one engine thread
-(``tinyserve.serving.engine_loop.EngineLoop``) owns the engine. The request and
-response format is ``tinyserve.serving.protocol``.
+(``tinyserve.serving.engine_loop.EngineLoop``) owns the engine. OpenAI's format
+is in ``request_parsing`` (bodies in), ``responses`` (bodies and chunks out),
+``stops_and_logprobs`` and ``errors``, beside this module.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (``stream`` true/false; streamed as server-sent events ``data: {json}\\n\\n``
@@ -41,13 +42,14 @@ from aiohttp import web
 from tinyserve.engine import LLM, LLMEngine
 from tinyserve.metrics import Histogram
 from tinyserve.serving.engine_loop import Delta, EngineError, EngineLoop
+from tinyserve.serving.errors import (BadRequest, error_event, error_response, json_errors,
+                                      param_of, read_body)
 from tinyserve.serving.processes import setup_logging
-from tinyserve.serving.protocol import (SSE_DONE, BadRequest, LogprobFormatter, ParsedRequest,
-                                        chat_renderer, check_context, chunk_choice,
-                                        completion_body, completion_chunk, decode_json,
-                                        error_event, error_response, json_errors, param_of,
-                                        parse_request, read_body, sse, usage, usage_chunk,
-                                        whole_choice)
+from tinyserve.serving.request_parsing import (ParsedRequest, chat_renderer, check_context,
+                                               decode_json, parse_request)
+from tinyserve.serving.responses import (SSE_DONE, chunk_choice, completion_body,
+                                         completion_chunk, sse, usage, usage_chunk, whole_choice)
+from tinyserve.serving.stops_and_logprobs import LogprobFormatter
 from tinyserve.tokenizer import ByteBPETokenizer
 
 log = logging.getLogger("tinyserve.serving")
@@ -118,7 +120,7 @@ class _State:
     """What the handlers share."""
     loop: EngineLoop
     model: str
-    render: object                      # messages -> prompt (protocol.chat_renderer)
+    render: object                      # messages -> prompt (request_parsing.chat_renderer)
     config: ServerConfig
     max_prompt_chars: int
     max_request_bytes: int              # the effective limit (request_size_limit)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
 from tinyserve.request import Request, RequestStatus, SamplingParams
-from tinyserve.serving.protocol import StopStrings
+from tinyserve.serving.stops_and_logprobs import StopStrings
 
 log = logging.getLogger("tinyserve.serving")
 

@@ -27,10 +27,10 @@ from typing import Any, Sequence
 import aiohttp
 from aiohttp import web
 
+from tinyserve.serving.errors import BadRequest, error_event, error_response, json_errors, read_body
 from tinyserve.serving.processes import free_port, launch_servers, parse_prometheus, setup_logging
-from tinyserve.serving.protocol import (SSE_DONE, BadRequest, decode_json, error_event,
-                                        error_response, json_errors, parse_messages, read_body,
-                                        render_chat)
+from tinyserve.serving.request_parsing import decode_json, parse_messages, render_chat
+from tinyserve.serving.responses import SSE_DONE
 from tinyserve.routing import RoutingPolicy, make_routing_policy
 
 

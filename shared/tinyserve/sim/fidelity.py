@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Sequence
@@ -164,6 +164,8 @@ class Comparison:
     metric: str
     measured: float
     predicted: dict[str, float]          # cost model name -> prediction
+    # cost model name -> the summary keys ``compare`` was asked for, from the same run
+    extra: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def error(self, cost_model: str) -> float:
         """predicted / measured - 1."""
@@ -206,15 +208,18 @@ def worst(rows: Sequence["Comparison"], cost_model: str, split: str = "held-out"
 
 
 def compare(cost_models: Sequence = ("roofline", "vllm-like"),
-            rows: Sequence[dict] | None = None) -> list[Comparison]:
-    """Every metric of every measurement, measured and predicted by each cost model."""
+            rows: Sequence[dict] | None = None, extra: Sequence[str] = ()) -> list[Comparison]:
+    """Every metric of every measurement, measured and predicted by each cost model
+    (one simulation per measurement and model); the summary keys in ``extra``
+    (``mean_batch_size``, ...) of those same runs go in each row's ``extra``."""
     models = [get_cost_model(c) for c in cost_models]
     out = []
     for m in measurements() if rows is None else rows:
-        predictions = {model.name: predict(m, model) for model in models}
+        predictions = {model.name: predict(m, model, extra) for model in models}
+        extras = {name: {key: p[key] for key in extra} for name, p in predictions.items()}
         for metric, value in m["measured"].items():
             out.append(Comparison(m["id"], m["source"], m["split"], metric, value,
-                                  {name: p[metric] for name, p in predictions.items()}))
+                                  {name: p[metric] for name, p in predictions.items()}, extras))
     return out
 
 

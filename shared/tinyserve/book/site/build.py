@@ -61,7 +61,14 @@ def all_pages(root: Path = ROOT) -> set[str]:
 
 
 def docname(page: str) -> str:
+    """Sphinx's name of a page: its repository path without the suffix."""
     return page.rsplit(".", 1)[0]
+
+
+def repo_path(page: str, target: str) -> str:
+    """A link's ``target`` (relative to ``page``, fragment dropped) as a repository path."""
+    target = target.split("#", 1)[0]
+    return posixpath.normpath(posixpath.join(posixpath.dirname(page), target))
 
 
 # ------------------------------------------------------------------ generated pages
@@ -144,7 +151,7 @@ def stage(build_dir: Path, groups: list[Section], root: Path = ROOT) -> Path:
     files = set(pages)
     for page in pages:
         for target in relative_links(markdown_of(root / page)):
-            path = posixpath.normpath(posixpath.join(posixpath.dirname(page), unquote(target)))
+            path = repo_path(page, unquote(target))
             if path not in everything and not path.startswith("..") and (root / path).is_file():
                 files.add(path)          # a file a page links to (a download), not a page
     for path in sorted(files):

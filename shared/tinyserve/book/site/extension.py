@@ -15,13 +15,14 @@
 from __future__ import annotations
 
 import functools
-import posixpath
 import re
 from pathlib import Path
 
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.transforms import SphinxTransform
+
+from tinyserve.book.site.build import docname as page_docname, repo_path
 
 PAGE_SUFFIXES = (".md", ".ipynb")
 WIDGET_CALL = re.compile(r"\bwidgets\.\w+\(")
@@ -41,12 +42,6 @@ def toctree_source(sections) -> str:
 def on_source_read(app, docname, source):
     if docname == app.config.root_doc:
         source[0] += toctree_source(app.config.tinyserve_sections)
-
-
-def repo_path(refdoc: str, target: str) -> str:
-    """``target`` (relative to the page ``refdoc``) as a path from the site's root."""
-    target = target.split("#", 1)[0]
-    return posixpath.normpath(posixpath.join(posixpath.dirname(refdoc), target))
 
 
 def first_sentence(doc: str) -> str:
@@ -113,7 +108,7 @@ class PageAdditions(SphinxTransform):
                 paths = [node["reftarget"] + s for s in PAGE_SUFFIXES]
             else:
                 paths = [repo_path(docname, node["reftarget"])]
-            left_out = any(p in all_pages and p.rsplit(".", 1)[0] not in env.found_docs for p in paths)
+            left_out = any(p in all_pages and page_docname(p) not in env.found_docs for p in paths)
             a_folder = any(not p.startswith("..") and (repo / p).is_dir() for p in paths)
             if left_out or a_folder:
                 node.replace_self(nodes.inline("", "", *[child.deepcopy() for child in node.children],

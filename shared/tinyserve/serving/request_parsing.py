@@ -1,15 +1,11 @@
-"""The OpenAI request and response format, as ``tinyserve.serving.app`` speaks it.
+"""OpenAI request bodies, parsed and validated into engine arguments.
 
-Parsing and validating request bodies into engine arguments (``parse_request``;
-``BadRequest`` names the field at fault), the error JSON (``error_response``),
-the chat template, stop strings (``StopStrings``), log-probabilities in both of
-OpenAI's formats, and the pure builders of response bodies and streamed chunks
-(server-sent events ``data: {json}\\n\\n`` ending with ``SSE_DONE``).
-
-Every parameter is either implemented, accepted only at the value that means
-"off" (``frequency_penalty: 0``, ``echo: false``, ...), or rejected with a 400
-that names it: a request is never answered as if a parameter had been applied
-when it was not.
+``parse_request`` turns a ``/v1/completions`` or ``/v1/chat/completions`` body
+into a ``ParsedRequest`` without tokenizing it; ``BadRequest`` names the field
+at fault. Every parameter is either implemented, accepted only at the value that
+means "off" (``frequency_penalty: 0``, ``echo: false``, ...), or rejected with a
+400 that names it: a request is never answered as if a parameter had been
+applied when it was not.
 
 Chat: a checkpoint that ships a ``chat_template`` (``tokenizer_config.json``)
 is prompted through it, as ``transformers``' ``apply_chat_template`` renders it
@@ -21,16 +17,13 @@ text) every message becomes ``"{role}: {content}\\n"`` and the prompt ends with
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from aiohttp import web
-
 from tinyserve.request import MAX_LOGPROBS, SamplingParams
+from tinyserve.serving.errors import BadRequest
 
 CHAT_ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
@@ -38,7 +31,6 @@ DEFAULT_CHAT_MAX_TOKENS = 64
 MAX_N = 16                       # choices per request
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256             # characters per stop string
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def render_chat(messages: list[dict]) -> str:
@@ -58,103 +50,6 @@ def chat_renderer(tokenizer) -> Callable[[list[dict]], str | list[int]]:
         return tokenizer.encode(text, add_special_tokens=False)
     return render
 
-
-# ---- errors ------------------------------------------------------------------------
-
-class BadRequest(Exception):
-    """An invalid request body: becomes HTTP 400 (or ``status``) with OpenAI's error JSON."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
-
-    def response(self) -> web.Response:
-        response = error_response(self.message, self.param, self.status, self.kind)
-        if self.status in (408, 413):       # the body was not read: the connection is spent
-            response.force_close()
-        return response
-
-
-def error_body(message: str, param: str | None = None, status: int = 400,
-               kind: str = "invalid_request_error") -> dict:
-    """OpenAI's error object (the body of an error response, or a streamed error)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def error_response(message: str, param: str | None = None, status: int = 400,
-                   kind: str = "invalid_request_error", headers: dict | None = None) -> web.Response:
-    return web.json_response(error_body(message, param, status, kind), status=status,
-                             headers=headers)
-
-
-def error_event(message: str, status: int = 500, kind: str = "internal_server_error") -> bytes:
-    """A streamed error (what the ``openai`` SDK raises ``APIError`` on), then ``[DONE]``."""
-    return sse(error_body(message, None, status, kind)) + SSE_DONE
-
-
-ERROR_KINDS = {404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-               413: "invalid_request_error"}
-
-
-def json_errors(max_request_bytes: int, log: logging.Logger):
-    """aiohttp middleware: every error body is OpenAI's error JSON, aiohttp's own
-    404/405/413 included, and a 500 (logged with its traceback) for a bug."""
-    @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            headers = {k: v for k, v in exc.headers.items()
-                       if k.lower() not in ("content-type", "content-length")}
-            message = (f"request body too large (over {max_request_bytes} bytes)"
-                       if exc.status == 413 else f"{exc.reason}: {request.method} {request.path}")
-            return error_response(message, None, exc.status,
-                                  ERROR_KINDS.get(exc.status, "invalid_request_error"), headers)
-        except (asyncio.CancelledError, ConnectionError):
-            raise
-        except Exception:
-            log.exception("internal error serving %s %s", request.method, request.path)
-            return error_response("internal server error", None, 500, "internal_server_error")
-    return middleware
-
-
-if hasattr(asyncio, "timeout"):            # Python 3.11+: no inner task, no reference cycle
-    _timeout = asyncio.timeout
-else:                                       # pragma: no cover (Python 3.10)
-    from async_timeout import timeout as _timeout
-
-
-async def read_body(request: web.Request, timeout: float, max_bytes: int) -> bytes:
-    """The whole body within ``timeout`` seconds (else 408) and ``max_bytes`` (else 413)."""
-    # The BadRequest is raised outside the except clauses: chained to aiohttp's exception,
-    # it would keep that exception's frames (and the partly read body) alive until a GC.
-    problem = None
-    try:
-        async with _timeout(timeout):
-            return await request.read()
-    except asyncio.TimeoutError:
-        problem = BadRequest(f"request body not received within {timeout:g} s", None, 408,
-                             "timeout_error")
-    except web.HTTPRequestEntityTooLarge:
-        problem = BadRequest(f"request body too large (over {max_bytes} bytes)", None, 413)
-    raise problem
-
-
-def param_of(message: str) -> str | None:
-    """Which request field an engine ``ValueError`` is about."""
-    if message.startswith("prompt"):
-        return "prompt"
-    if message.startswith("request"):       # prompt + max_tokens do not fit the cache
-        return "max_tokens"
-    first = message.split(" ", 1)[0]
-    return first if first in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                              "logprobs") else None
-
-
-# ---- request validation ------------------------------------------------------------
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
@@ -465,149 +360,3 @@ def check_context(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: 
         parsed.params = SamplingParams(max_tokens=room, temperature=p.temperature, top_p=p.top_p,
                                        top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        stop_token_ids=p.stop_token_ids, logprobs=p.logprobs)
-
-
-# ---- stop strings ------------------------------------------------------------------
-
-class StopStrings:
-    """Cuts streamed text at the first stop string, never letting part of one out.
-
-    ``push(text)`` returns ``(text safe to send now, stopped)``. Text that could be
-    the start of a stop string is held back until the next piece decides it; the
-    stop string itself is never sent (as in OpenAI's API). ``flush()`` releases
-    what is held when the stream ends without a stop.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return buf[:min(hits)], True
-        keep = 0            # the longest end of buf that begins some stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:k]):
-                    keep = k
-                    break
-        self.held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], False
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
-
-
-# ---- log-probabilities -------------------------------------------------------------
-
-def token_text(tokenizer, token_id: int) -> str:
-    """One token as text: its characters, a special token's name, or, for bytes that are
-    not whole UTF-8 characters (a part of one), ``bytes:\\xe4\\xbd`` (so that the
-    alternatives listed for one position stay distinct)."""
-    data = tokenizer.token_bytes(token_id)
-    if not data and tokenizer.is_special(token_id):
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-
-class LogprobFormatter:
-    """``logprobs`` of one choice in OpenAI's format: the completions one (tokens,
-    token_logprobs, top_logprobs, text_offset) or the chat one (content: [{token,
-    logprob, bytes, top_logprobs}]). Entries come from ``Request.logprobs``."""
-
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
-
-    def format(self, token_ids: list[int], entries: list) -> dict:
-        tok = self.tokenizer
-        if self.chat:
-            def item(t, lp):
-                return {"token": token_text(tok, t), "logprob": lp,
-                        "bytes": list(tok.token_bytes(t))}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
-                                for t, (lp, top) in zip(token_ids, entries)]}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, (lp, top) in zip(token_ids, entries):
-            text = token_text(tok, t)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({token_text(tok, i): v for i, v in top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out
-
-    @staticmethod
-    def join(parts: list[dict], chat: bool) -> dict:
-        """Several ``format`` results as one (a whole, non-streamed response)."""
-        if chat:
-            return {"content": [c for p in parts for c in p["content"]]}
-        return {k: [x for p in parts for x in p[k]]
-                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-
-# ---- responses ---------------------------------------------------------------------
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def whole_choice(index: int, chat: bool, text: str, finish: str | None,
-                 token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-    """One choice of a whole (non-streamed) response."""
-    if chat:
-        choice = {"index": index, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": finish}
-    else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def completion_body(rid: str, created: int, model: str, chat: bool, choices: list[dict],
-                    usage_: dict) -> dict:
-    """A whole (non-streamed) response."""
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": choices, "usage": usage_}
-
-
-def chunk_choice(index: int, chat: bool, text: str, finish: str | None,
-                 token_ids: list[int] | None, first: bool, logprobs: dict | None = None) -> dict:
-    """One choice of a streamed chunk (a choice's first chat chunk also carries the role)."""
-    if chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def completion_chunk(rid: str, created: int, model: str, chat: bool, choices: list[dict]) -> dict:
-    """One streamed chunk."""
-    return {"id": rid, "object": _chunk_object(chat), "created": created, "model": model,
-            "choices": choices}
-
-
-def usage_chunk(rid: str, created: int, model: str, chat: bool, usage_: dict) -> dict:
-    """The last streamed chunk when ``stream_options.include_usage`` is set."""
-    return {"id": rid, "object": _chunk_object(chat), "created": created, "model": model,
-            "choices": [], "usage": usage_}
-
-
-def _chunk_object(chat: bool) -> str:
-    return "chat.completion.chunk" if chat else "text_completion"
-
-
-def sse(data: dict) -> bytes:
-    """One server-sent event: ``data: {json}\\n\\n``."""
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"

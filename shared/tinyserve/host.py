@@ -1,0 +1,195 @@
+"""The host at run time: what it is, and how to time anything on it fairly.
+
+What the engine asks of the machine it runs on lives here, apart from the
+benchmark tooling of ``tinyserve.measure``: ``l3_cache_bytes`` (does a model's
+weight stack fit the last-level cache?), ``cpu_name``, ``usable_cores`` and
+``free_cores`` (those other programs leave free), ``fixed_threads`` (run a block
+on a given number of torch threads, by default the free cores).
+
+The discipline every timing in the book follows is here too, in one place:
+``median_time`` (warm-up, then the median of repeats) and ``paired_ratio`` (A and
+B interleaved, the median of per-pair ratios, with their spread, so a busy moment
+slows both sides of a pair alike); the engine uses it to choose, per batch
+bucket, between eager and packed decode steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def l3_cache_bytes() -> int | None:
+    """This CPU's last-level cache in bytes (summed over instances), or None if unknown."""
+    try:
+        sizes = {}
+        base = "/sys/devices/system/cpu"
+        for cpu in sorted(os.listdir(base)):
+            cache = os.path.join(base, cpu, "cache")
+            if not cpu.startswith("cpu") or not os.path.isdir(cache):
+                continue
+            for index in os.listdir(cache):
+                folder = os.path.join(cache, index)
+                if not index.startswith("index"):
+                    continue
+                with open(os.path.join(folder, "level")) as f:
+                    if f.read().strip() != "3":
+                        continue
+                with open(os.path.join(folder, "shared_cpu_list")) as f:
+                    shared = f.read().strip()
+                with open(os.path.join(folder, "size")) as f:
+                    text = f.read().strip().upper()
+                scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+                sizes[shared] = int(text.rstrip("KMG")) * scale
+        return sum(sizes.values()) or None
+    except (OSError, ValueError):
+        return None
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+                sync: Callable[[], None] | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
+    if repeats < 1:
+        raise ValueError(f"repeats: need at least 1, got {repeats}")
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """``time(a) / time(b)`` over interleaved pairs: the median, and the spread of the ratios."""
+
+    median: float
+    low: float        # the second-smallest ratio (the smallest for fewer than 5 pairs)
+    high: float       # the second-largest ratio
+    ratios: tuple[float, ...]
+    seconds_a: float  # median time of a
+    seconds_b: float  # median time of b
+
+    @property
+    def spread(self) -> float:
+        """(high - low) / median: how much one run of this machine can be trusted."""
+        return (self.high - self.low) / self.median if self.median else math.inf
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x (pairs {self.low:.2f}-{self.high:.2f}, n={len(self.ratios)})"
+
+
+def paired_ratio(a: Callable[[], object], b: Callable[[], object], pairs: int = 7,
+                 warmup: int = 1, sync: Callable[[], None] | None = None) -> PairedRatio:
+    """How many times slower ``a`` is than ``b``, measured robustly on a busy machine.
+
+    Each pair times ``a`` and ``b`` back to back, in alternating order (ABBA...), so
+    a slow moment of the machine slows both members of a pair and drift cancels;
+    the result is the median of the per-pair ratios, not a ratio of best times.
+    """
+    if pairs < 1:
+        raise ValueError(f"pairs: need at least 1, got {pairs}")
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        a(), b()
+    sync()
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    ta, tb = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            ta.append(timed(a)), tb.append(timed(b))
+        else:
+            tb.append(timed(b)), ta.append(timed(a))
+    ratios = sorted(x / y for x, y in zip(ta, tb))
+    k = 1 if len(ratios) >= 5 else 0
+    return PairedRatio(statistics.median(ratios), ratios[k], ratios[-1 - k], tuple(ratios),
+                       statistics.median(ta), statistics.median(tb))
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int | None = None):
+    """Run the block with torch on ``n`` threads (default: the cores free right now), then restore."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or free_cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def free_cores(sample: float = 0.3) -> int:
+    """The usable cores that other programs are not keeping busy right now (at least 1).
+
+    Over ``sample`` seconds, the busy time of this process's cores (``/proc/stat``) minus
+    this process's own CPU time says how many cores others use. A torch op split over
+    N threads waits for its slowest thread, so one thread sharing a core with a busy
+    program slows every op down, and a whole notebook with it. A virtual machine's steal time (the
+    host running someone else on our core) counts as busy: the core is not ours then.
+    Where ``/proc`` is missing, all usable cores.
+    """
+    if not (hasattr(os, "sched_getaffinity") and os.path.exists("/proc/stat")):
+        return usable_cores()
+    cpus = os.sched_getaffinity(0)
+    cores = len(cpus)
+    busy0, total0, own0 = *_cpu_jiffies(cpus), _own_jiffies()
+    time.sleep(sample)
+    busy1, total1, own1 = *_cpu_jiffies(cpus), _own_jiffies()
+    if total1 <= total0:
+        return cores
+    others = max(0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * len(cpus)
+    return max(1, cores - round(others))
+
+
+def _cpu_jiffies(cpus) -> tuple[int, int]:
+    """(busy, total) clock ticks so far, summed over ``cpus`` (from /proc/stat)."""
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks = [int(x) for x in fields[:8]]     # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def _own_jiffies() -> int:
+    """This process's user + system clock ticks so far (/proc/self/stat)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
