@@ -169,7 +169,8 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
         engines=ENGINES, online: bool = True, say=print, out: str | None = None) -> dict:
     """Every engine on every model and dtype; the report. With ``out``, the report so far
     is written there after each engine (a long run that stops keeps what it measured)."""
-    from tinyserve.measure import fixed_threads, this_machine, usable_cores
+    from tinyserve.host import fixed_threads, usable_cores
+    from tinyserve.measure import this_machine
     reason = vllm_unavailable()
     if reason:
         say(f"vLLM skipped: {reason}")
