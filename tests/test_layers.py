@@ -25,7 +25,7 @@ PACKAGE = Path(tinyserve.__file__).parent
 CORE_ROWS = [
     ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose", "routing",
      "tokenizer", "chat_template", "kernels"],                    # import nothing of ours
-    ["policies", "measure", "hf_tokenizer"],
+    ["policies", "measure", "hf_tokenizer", "sampler"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],

@@ -31,6 +31,15 @@ from tinyserve.tokenizer import (TOKENIZER_FILE, ByteBPETokenizer, StreamDetoken
 Prompt = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """A validated prompt with its token ids, and when its tokenization started and ended."""
+    prompt: Prompt
+    token_ids: list[int]
+    received: float
+    done: float
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -118,25 +127,32 @@ class LLMEngine:
         """Reject a request the engine could never finish, before it takes a seat."""
         self.core.check_fits(num_prompt_tokens, params.max_tokens)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def tokenize(self, prompt: Prompt | Tokenized) -> Tokenized:
+        """Validate a prompt and tokenize it once, timing the encode (``LLM.generate``
+        checks every prompt this way before adding any)."""
+        if isinstance(prompt, Tokenized):
+            return prompt
+        received = self.clock()
+        ids = self.to_token_ids(prompt)          # tokenization happens here, on the CPU
+        return Tokenized(prompt, ids, received, self.clock())
+
+    def add_request(self, prompt: Prompt | Tokenized, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> str:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        received = self.clock()
-        ids = self.to_token_ids(prompt)          # tokenization happens here, on the CPU
-        tokenized = self.clock()
+        tokenized = self.tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, ids, params,
-                          arrival_time=received if arrival_time is None else arrival_time,
-                          prompt=prompt if isinstance(prompt, str) else None,
-                          eos_token_id=self.tokenizer.eos_token_id, priority=priority,
-                          extra_eos_token_ids=self._extra_eos)
-        request.tokenize_time = tokenized - received
-        request.queued_time = tokenized
+        text = tokenized.prompt if isinstance(tokenized.prompt, str) else None
+        request = Request(request_id, tokenized.token_ids, params,
+                          arrival_time=tokenized.received if arrival_time is None else arrival_time,
+                          prompt=text, eos_token_id=self.tokenizer.eos_token_id,
+                          priority=priority, extra_eos_token_ids=self._extra_eos)
+        request.tokenize_time = tokenized.done - tokenized.received
+        request.queued_time = tokenized.done
         self.core.add_request(request)            # raises if it could never finish
         self.requests[request_id] = request
         self._detokenizers[request_id] = StreamDetokenizer(self.tokenizer)
@@ -148,6 +164,21 @@ class LLMEngine:
         del self.requests[request_id]
         del self._detokenizers[request_id]
         return True
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request the caller will not read (a step that failed after
+        retiring it); its blocks are already free."""
+        self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+
+    def isolate_sample_failures(self) -> None:
+        """A server's mode: a request whose sampling raises fails alone
+        (``take_sample_failures``); the rest of its step goes on."""
+        self.executor.isolate_sample_failures()
+
+    def take_sample_failures(self) -> dict[str, Exception]:
+        """Requests whose sampling raised since the last call (id -> error)."""
+        return self.executor.take_sample_failures()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -269,12 +300,14 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         engine = self.engine
-        # Validate everything first so that one bad prompt adds nothing.
+        # Validate (and tokenize, once) everything first so that one bad prompt adds nothing.
+        tokenized = []
         for prompt, p in zip(prompts, params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            engine.check_fits(len(engine.to_token_ids(prompt)), p)
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+            tokenized.append(engine.tokenize(prompt))
+            engine.check_fits(len(tokenized[-1].token_ids), p)
+        ids = [engine.add_request(t, p) for t, p in zip(tokenized, params)]
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = _progress(len(ids), use_tqdm)

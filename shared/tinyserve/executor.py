@@ -7,16 +7,16 @@ once and picks one token for every request whose prompt is fully in the cache.
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import torch
 
-from tinyserve import packed_gemm
+from tinyserve import packed_gemm, sampler
 from tinyserve.compiled_step import CAPTURE_SIZES, compile_decode
 from tinyserve.kv_cache import blocks_for
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
 from tinyserve.request import SEED_MODULUS, SamplingParams
+from tinyserve.sampler import stable_seed, token_logprobs
 from tinyserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -44,6 +44,8 @@ class ModelExecutor:
         # Sample among the first vocab_size ids only (the tokenizer's; None: all rows).
         self.vocab_size = vocab_size
         self._generators: dict[str, torch.Generator] = {}
+        # None: a sampling fault raises (offline); a dict: see isolate_sample_failures.
+        self.sample_failures: dict[str, Exception] | None = None
         self.last_prepare_time = 0.0
         self.graphs = None                  # compiled_step.CompiledDecode
         self.packed = None                  # packed_gemm.PackedDecode
@@ -133,36 +135,54 @@ class ModelExecutor:
 
     # ---- sampling --------------------------------------------------------------
 
-    # None (offline use): a request whose sampling raises fails the step. A dict (the
-    # server sets one, serving.engine_loop): the exception is recorded under the
-    # request's id, the request gets its greedy token as a placeholder so the step
-    # completes for everyone, and the caller fails that request alone.
-    sample_failures: dict[str, Exception] | None = None
+    def isolate_sample_failures(self) -> None:
+        """From now on a request whose sampling raises does not fail the step: the
+        exception is kept for ``take_sample_failures``, the request gets its greedy token
+        as a placeholder so the step completes for everyone, and the caller (the server,
+        ``serving.engine_loop``) fails that request alone. Offline, a fault raises."""
+        if self.sample_failures is None:
+            self.sample_failures = {}
+
+    def take_sample_failures(self) -> dict[str, Exception]:
+        """The requests whose sampling raised since the last call (request id -> error)."""
+        failures = self.sample_failures or {}
+        if self.sample_failures is not None:
+            self.sample_failures = {}
+        return failures
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> dict[str, int]:
         logits = logits[:, :self.vocab_size]
-        greedy = logits.argmax(dim=-1).tolist()
-        result = {}
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [r for r, item in enumerate(items) if not item.request.sampling_params.greedy]
+        if rows:
+            for row, token in zip(rows, self._draw(logits, [items[r].request for r in rows], rows)):
+                tokens[row] = token
         for row, item in enumerate(items):
-            request = item.request
-            try:
-                result[request.request_id] = self._sample_one(logits[row], request, greedy[row])
-            except Exception as exc:
-                if self.sample_failures is None:
-                    raise
-                self.sample_failures[request.request_id] = exc
-                result[request.request_id] = greedy[row]
-        return result
+            params = item.request.sampling_params
+            if params.logprobs is not None:
+                item.request.logprobs.append(token_logprobs(logits[row], tokens[row],
+                                                            params.logprobs))
+        return {item.request.request_id: token for item, token in zip(items, tokens)}
 
-    def _sample_one(self, logits: torch.Tensor, request, greedy_token: int) -> int:
-        params = request.sampling_params
-        if params.greedy:
-            token = greedy_token
-        else:
-            token = sample_token(logits, params, self._generator(request.request_id, params))
-        if params.logprobs is not None:
-            request.logprobs.append(token_logprobs(logits, token, params.logprobs))
-        return token
+    def _draw(self, logits: torch.Tensor, requests: list, rows: list[int]) -> list[int]:
+        """The sampled tokens of ``rows`` (non-greedy requests), in one batched call; if
+        it raises while failures are isolated, row by row, so that only the faulty
+        requests fail (each keeps its greedy token as a placeholder)."""
+        params = [r.sampling_params for r in requests]
+        generators = [self._generator(r.request_id, r.sampling_params) for r in requests]
+        try:
+            return sampler.sample(logits[rows], params, generators)
+        except Exception:
+            if self.sample_failures is None:
+                raise
+        tokens = []
+        for row, request, p, generator in zip(rows, requests, params, generators):
+            try:
+                tokens.append(sampler.sample(logits[row:row + 1], [p], [generator])[0])
+            except Exception as exc:
+                self.sample_failures[request.request_id] = exc
+                tokens.append(int(logits[row].argmax()))
+        return tokens
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         # One generator per request, so a request's random draws do not depend on
@@ -177,41 +197,3 @@ class ModelExecutor:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature, then top-k, then top-p (nucleus), then one multinomial draw."""
-    logits = logits.float().cpu() / params.temperature
-    if params.top_k != -1 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p. The most likely token is
-        # always kept: a top_p below float32's range (1e-300) rounds to 0, and the
-        # comparison alone would then drop every token.
-        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        drop[0] = False
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError(f"sampling at temperature {params.temperature!r} gave non-finite "
-                         "probabilities")
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """The log-probability of ``token`` and the ``top`` most likely (id, log-probability)
-    pairs, under the model's own distribution (before temperature, top-k, top-p)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = float(logp[token])
-    if top == 0:
-        return chosen, []
-    values, ids = torch.topk(logp, min(top, logp.numel()))
-    return chosen, list(zip(ids.tolist(), values.tolist()))
-
-
-def stable_seed(engine_seed: int, request_id: str) -> int:
-    """A per-request seed that is the same in every process (unlike ``hash``)."""
-    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
