@@ -7,6 +7,7 @@ abort); ``LLM`` wraps it for offline use: ``LLM("tiny").generate(prompts)``.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from tinyserve.tokenizer import (TOKENIZER_FILE, ByteBPETokenizer, StreamDetoken
                                  load_default_tokenizer)
 
 Prompt = str | Sequence[int]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter,
                  enable_prefix_caching: bool = False,
                  step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW,
-                 enforce_eager: bool = True, capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
+                 enforce_eager: bool | None = True, capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model: vocab_size {model.config.vocab_size} is smaller than the "
                              f"tokenizer's {tokenizer.vocab_size}")
@@ -235,12 +237,14 @@ class LLM:
     ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
     (in Triton's interpreter when there is no GPU: correct, but slow).
     ``step_stats_window``: how many recent steps ``engine.step_stats`` keeps.
-    ``enforce_eager=False`` speeds up pure decode steps in each batch bucket up to
-    ``max_num_seqs`` where that measured faster at start: on a CPU (fp32) on weights
-    packed once for oneDNN (``packed_gemm.py``), elsewhere with one compiled graph per
-    bucket (``torch.compile``; ``compiled_step.py``); ``None`` picks the default
-    (``default_enforce_eager``: packed on a CPU for weights larger than its cache,
-    else eager).
+    ``enforce_eager=False``: on a CPU (fp32; bf16 where oneDNN packs it) every step
+    runs on weights packed once for oneDNN, which replace the dense ones
+    (``packed_gemm.py``); elsewhere pure decode steps of each batch bucket up to
+    ``max_num_seqs`` run on one compiled graph per bucket (``torch.compile``;
+    ``compiled_step.py``). ``None`` picks the default (``default_enforce_eager``:
+    on a CPU with weights larger than its cache, packed if a decode step timed at
+    start found that faster, else eager; the choice is logged and kept in
+    ``engine.executor.decode_path``).
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -284,6 +288,9 @@ class LLM:
                                 step_stats_window=step_stats_window,
                                 enforce_eager=(default_enforce_eager(net) if enforce_eager is None
                                                else enforce_eager))
+        path = self.engine.executor.decode_path
+        if path is not None:
+            log.info("decode path: %s", path.describe())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -324,23 +331,25 @@ class LLM:
         return [results[i] for i in ids]
 
     def save_pretrained(self, path: str | Path) -> Path:
-        path = save_pretrained(self.model, path, self.tokenizer)
+        with self.engine.executor.dense_weights():
+            path = save_pretrained(self.model, path, self.tokenizer)
         self.tokenizer.save(Path(path) / TOKENIZER_FILE)
         return path
 
 
-def default_enforce_eager(model: LlamaForServing) -> bool:
-    """``enforce_eager=None``: fast decode steps where they pay and cost little at start.
-    On a CPU with fp32 weights larger than its last-level cache, that is packing them
-    for oneDNN (about a second, plus a few timed steps per bucket to keep it only where
-    it is faster; ``packed_gemm``); weights that stay in the cache are not read from
-    memory each step, and packing rarely beats eager there. On a GPU, compiled CUDA
-    graphs cost a compile per bucket at every start and have not been measured on
-    hardware yet: eager there, as for other dtypes on a CPU."""
+def default_enforce_eager(model: LlamaForServing) -> bool | None:
+    """``enforce_eager=None``: a faster path where it pays and costs little at start.
+    On a CPU whose oneDNN packs the weights' dtype (``packed_gemm.packs``) and weights
+    larger than its last-level cache: None, pack them (about a second) and keep them
+    packed only if a timed decode step of some bucket found that faster. Weights that
+    stay in the cache are not read from memory each step, and packing rarely beats
+    eager there. On a GPU, compiled CUDA graphs cost a compile per bucket at every
+    start and have not been measured on hardware yet: eager there, as for dtypes this
+    CPU does not pack (bf16 without native bf16 support)."""
     if not packed_gemm.supported(model):
         return True
     cache = measure.l3_cache_bytes() or 32 * 2**20
-    return packed_gemm.weight_bytes(model) <= cache
+    return True if packed_gemm.weight_bytes(model) <= cache else None
 
 
 def _progress(total: int, use_tqdm: bool | None):

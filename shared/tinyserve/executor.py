@@ -1,12 +1,13 @@
 """Turns a scheduler plan into one forward pass of the real model, and samples.
 
-The scheduler only decides *who* runs for *how many tokens*; this module packs
-those tokens into flat tensors (ids, positions, cache slots), runs the model
+The scheduler only decides *who* runs for *how many tokens*; this module lays
+those tokens end to end in flat tensors (ids, positions, cache slots), runs the model
 once and picks one token for every request whose prompt is fully in the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -21,23 +22,27 @@ from tinyserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class ModelExecutor:
-    """``enforce_eager=False`` runs pure decode steps of up to ``max(capture_sizes)``
-    requests faster: on a CPU (fp32) on weights packed once for oneDNN
-    (``packed_gemm``), elsewhere through compiled graphs (``compiled_step``), in each
-    bucket only where that measured faster at start. Everything else, and every step
-    where neither is possible, runs eagerly."""
+    """Runs the model on the scheduler's plans. ``enforce_eager=True``: plain eager
+    PyTorch. Otherwise, on a CPU whose oneDNN packs the weights' dtype, every step
+    runs on weights packed once for oneDNN (``packed_gemm``; one copy of the weights):
+    ``enforce_eager=False`` pins that, ``None`` keeps it only if it measured faster
+    than eager in some batch bucket at start. Elsewhere ``False`` compiles pure decode
+    steps of up to ``max(capture_sizes)`` requests into graphs (``compiled_step``),
+    each bucket kept where it measured faster, and ``None`` runs eagerly."""
 
     def __init__(self, model: LlamaForServing, num_blocks: int, block_size: int, seed: int = 0,
-                 vocab_size: int | None = None, enforce_eager: bool = True,
+                 vocab_size: int | None = None, enforce_eager: bool | None = True,
                  max_blocks_per_seq: int | None = None,
                  capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        # Compiled graphs pad their batches; the padding writes to one extra block that the
-        # block manager never hands out.
-        scratch_blocks = 0 if enforce_eager else 1
+        packs = enforce_eager is not True and packed_gemm.supported(model)
+        compiles = enforce_eager is False and not packs
+        # Compiled graphs pad their batches, and timed steps at start write somewhere: to
+        # one extra block that the block manager never hands out.
+        scratch_blocks = 1 if packs or compiles else 0
         self.kv_cache = KVCache(model.config, num_blocks + scratch_blocks, block_size, self.dtype,
                                 self.device)
         self.seed = seed
@@ -50,10 +55,11 @@ class ModelExecutor:
         self.graphs = None                  # compiled_step.CompiledDecode
         self.packed = None                  # packed_gemm.PackedDecode
         scratch_slot = num_blocks * block_size
-        if not enforce_eager and packed_gemm.supported(model):
-            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, capture_sizes, scratch_slot)
+        if packs:
+            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, capture_sizes, scratch_slot,
+                                                   choose=enforce_eager is None)
             self.packed.warm_up()
-        elif not enforce_eager:
+        elif compiles:
             width = max_blocks_per_seq or blocks_for(model.config.max_position_embeddings,
                                                      block_size)
             self.graphs = compile_decode(model, self.kv_cache, width, capture_sizes, scratch_slot)
@@ -61,8 +67,8 @@ class ModelExecutor:
     @property
     def enforce_eager(self) -> bool:
         """False only while packed weights or compiled graphs are in use (a failed
-        compile falls back)."""
-        return self.graphs is None and self.packed is None
+        compile falls back; packing measured slower everywhere is dropped)."""
+        return self.graphs is None and (self.packed is None or self.packed.weights is None)
 
     @property
     def decode_path(self):
@@ -92,19 +98,23 @@ class ModelExecutor:
 
         bucket = self._bucket(items)
         if bucket is not None:
-            packed = self.graphs.pack(ids, positions, slots, [i.block_table for i in items],
-                                      [i.request.num_computed_tokens + 1 for i in items], bucket)
+            graph_inputs = self.graphs.inputs_for(ids, positions, slots,
+                                                  [i.block_table for i in items],
+                                                  [i.request.num_computed_tokens + 1 for i in items],
+                                                  bucket)
             self.last_prepare_time = time.perf_counter() - started
-            return self._sample(self.graphs.replay(packed), sample_items)
+            return self._sample(self.graphs.replay(graph_inputs), sample_items)
         meta = self._metadata(items, slots)
         dev = self.device
-        inputs = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                  torch.tensor(sample_rows, dtype=torch.long, device=dev))
-        # Host-side packing time: bookkeeping, not model work.
+        token_ids = torch.tensor(ids, device=dev)
+        token_positions = torch.tensor(positions, device=dev)
+        logits_rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        # Host-side layout time: bookkeeping, not model work.
         self.last_prepare_time = time.perf_counter() - started
-        packed = (self.packed.use_for(len(items))
-                  if self.packed is not None and self._pure_decode(items) else None)
-        logits = self.model(inputs[0], inputs[1], meta, self.kv_cache, inputs[2], packed=packed)
+        weights = (self.packed.weights_for(decode=self._pure_decode(items))
+                   if self.packed is not None else None)
+        logits = self.model(token_ids, token_positions, meta, self.kv_cache, logits_rows,
+                            packed=weights)
         return self._sample(logits, sample_items)
 
     @staticmethod
@@ -196,4 +206,11 @@ class ModelExecutor:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+    def dense_weights(self):
+        """A context in which the model holds dense weights (packed ones are unpacked
+        for its duration): for saving a checkpoint."""
+        if self.packed is not None and self.packed.weights is not None:
+            return self.packed.weights.unpacked()
+        return contextlib.nullcontext(self.model)
 

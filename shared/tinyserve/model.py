@@ -141,6 +141,26 @@ class AttentionMetadata:
     padded: bool = False
 
 
+def scratch_decode(model: "LlamaForServing", kv_cache: "KVCache", size: int, scratch_slot: int,
+                   context: int = 1, **forward_options):
+    """A call running the engine's eager decode path (unpadded metadata, every row
+    sampled) on ``size`` rows that each attend over ``context`` tokens and all write to
+    ``scratch_slot``: a step to time a faster path against, at start, without touching
+    any request's blocks (every block of the rows' tables is the scratch block)."""
+    dev = next(model.parameters()).device
+    scratch_block = scratch_slot // kv_cache.block_size
+    width = -(-context // kv_cache.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((size,), scratch_slot, device=dev), query_lens=[1] * size,
+        context_lens=[context] * size,
+        block_tables=torch.full((size, width), scratch_block, device=dev),
+        num_decodes=size, decode_context_lens=torch.full((size,), context, device=dev))
+    ids = torch.zeros(size, dtype=torch.long, device=dev)
+    positions = torch.full((size,), context - 1, dtype=torch.long, device=dev)
+    rows = torch.arange(size, device=dev)
+    return lambda: model(ids, positions, meta, kv_cache, rows, **forward_options)
+
+
 class KVCache:
     """K and V for every layer: [layers, num_blocks, block_size, kv_heads, head_dim]."""
 
