@@ -22,8 +22,10 @@ A compiled graph is not faster everywhere: MKL's packed GEMM, which freezing
 uses for fp32 on x86, is fast on an Intel Xeon and slow at small batches on an
 AMD EPYC, where plain eager can win. So after compiling, ``warm_up`` times each
 bucket's graph against the eager forward on the same inputs (interleaved pairs,
-``measure.paired_ratio``) and keeps the faster one (``choices``, printed by
-``describe``): ``enforce_eager=False`` is then never slower than eager.
+``measure.paired_ratio``) and keeps the one that measured faster (``choices``,
+printed by ``describe``). That is a sample taken at start, on whatever else the
+machine was doing then: a bucket near a tie can choose differently from one
+start to the next.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class MergedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return out.split(self.widths, dim=-1)
+        return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
 
     def release(self) -> None:
         """Leave the dense parameters on the meta device: the packed copy is the weight."""
