@@ -36,6 +36,7 @@ never holds two copies.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import time
@@ -107,6 +108,14 @@ def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     packed = dnn._reorder_linear_weight(weight.detach().contiguous(), hint)
     bias = None if bias is None else bias.detach().contiguous()
     return lambda x: dnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def return_freed_memory() -> None:
+    """Give freed weights back to the OS. glibc keeps freed heap chunks below its mmap
+    threshold (most weight matrices) in the process, where RSS still counts them;
+    ``malloc_trim`` returns them. A no-op where the C library is not glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class MergedLinear:
@@ -184,6 +193,7 @@ class PackedWeights:
             if release:
                 for merged in self.layers[-1].merged:
                     merged.release()
+                return_freed_memory()           # before the next layer's copy is made
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         # A tied projection stays the embedding table (packing would copy the table).
         self.head = None if tied else MergedLinear([model.lm_head], hint)
@@ -212,6 +222,7 @@ class PackedWeights:
             yield self.model
         finally:
             self.release()
+            return_freed_memory()
 
 
 class PackedDecode:
@@ -256,6 +267,7 @@ class PackedDecode:
                 self.weights.release()
             else:
                 self.weights = None             # the dense weights stay the only copy
+        return_freed_memory()
         self.warm_up_seconds = time.perf_counter() - started
         log.info("%s", self.describe())
         return self.warm_up_seconds
