@@ -59,8 +59,11 @@ PACK_HINT = 8
 # only if a bucket chose them (tests of the packed path itself turn this off).
 CHOOSE_FASTER = True
 # Interleaved eager/packed pairs timed per bucket at start, each a decode step whose
-# rows attend over CHOICE_CONTEXT tokens (capped at the model's context).
-CHOICE_PAIRS, CHOICE_CONTEXT = 9, 256
+# rows attend over CHOICE_CONTEXT tokens (capped at the model's context). Only buckets
+# up to CHOICE_MAX_BATCH are timed: the choice is one for the whole model, small
+# batches are where eager and packed GEMMs differ most, and large eager steps would
+# make start-up slow.
+CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -242,7 +245,7 @@ class PackedDecode:
         self.warm_up_seconds = 0.0      # packing and choosing, at start
         # bucket -> eager time / packed time measured at start (> 1: packed is faster)
         self.speedups: dict[int, float] = {}
-        self.choices: dict[int, str] = {s: "packed" for s in self.sizes}
+        self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
 
     def weights_for(self, decode: bool) -> PackedWeights | None:
@@ -258,7 +261,7 @@ class PackedDecode:
         self.weights = PackedWeights(self.model, release=not self.choose)
         self.pack_seconds = time.perf_counter() - started
         if self.choose:
-            for size in self.sizes:
+            for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
                 ratio = self.time_against_eager(size)
                 self.speedups[size] = ratio.median
                 # Most pairs must agree: a tie does not flip between runs into packing.
@@ -287,7 +290,7 @@ class PackedDecode:
         if not self.choose:
             return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s (pinned: "
                     "enforce_eager=False); every step runs on them")
-        parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.sizes]
+        parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.choices]
         kept = ("packed weights kept, every step runs on them" if self.weights is not None
                 else "every bucket chose eager: packing dropped")
         return (f"{kept}; decode step per bucket (eager time / packed time, median of "
