@@ -7,6 +7,7 @@ per-bucket choice, shared with the GPU, are tested here."""
 from __future__ import annotations
 
 import random
+import time
 import warnings
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 from tinyserve import LLM, SamplingParams
 from tinyserve import compiled_step, packed_gemm
 from tinyserve.compiled_step import capture_sizes_for
+from tinyserve.executor import ModelExecutor
+from tinyserve.model import LlamaForServing, get_preset
 from tinyserve.packed_gemm import prepacked_linear
 
 # Small enough that a long prompt is chunked and the cache runs out (preemption);
@@ -70,12 +73,32 @@ def test_a_bucket_whose_graph_is_slower_than_eager_runs_eagerly(monkeypatch):
     assert got == [o.token_ids for o in LLM(**ENGINE).generate(pair, params)]
 
 
-def test_the_choice_at_start_is_a_measured_ratio_for_every_bucket():
-    graphs = LLM(**ENGINE, enforce_eager=False).engine.executor.graphs
-    assert set(graphs.speedups) == set(graphs.sizes)
-    assert all(0 < r < float("inf") for r in graphs.speedups.values())
-    assert all(graphs.choices[s] == ("compiled" if graphs.speedups[s] >= 1.0 else "eager")
-               for s in graphs.sizes)
+def test_the_choice_at_start_follows_the_measured_side(monkeypatch):
+    """With a clock where bucket 2's graph takes 10 ms and its eager step 1 ms (and the
+    other way round in buckets 1 and 4), the start-up timing measures exactly that
+    and bucket 2 alone runs eagerly."""
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    now, eager_slow = [0.0], {1, 4}
+
+    def eager_step(module, args):
+        now[0] += 0.010 if args[0].shape[0] in eager_slow else 0.001
+
+    real_replay = compiled_step.CompiledDecode.replay
+
+    def replay(self, graph_inputs):
+        now[0] += 0.001 if graph_inputs[1][0].shape[0] in eager_slow else 0.010
+        return real_replay(self, graph_inputs)
+
+    model.register_forward_pre_hook(eager_step)
+    monkeypatch.setattr(compiled_step.CompiledDecode, "replay", replay)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=False,
+                             capture_sizes=(1, 2, 4))
+    monkeypatch.undo()
+    graphs = executor.graphs
+    assert graphs.speedups == pytest.approx({1: 10.0, 2: 0.1, 4: 10.0})
+    assert graphs.choices == {1: "compiled", 2: "eager", 4: "compiled"}
+    assert [graphs.bucket(b) for b in (1, 2, 3, 4)] == [1, None, 4, 4]
 
 
 def test_compiled_greedy_tokens_equal_eager_under_batching_chunking_caching_preemption(compiled):

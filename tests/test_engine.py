@@ -232,6 +232,8 @@ def test_static_batching_admits_nobody_until_the_batch_is_done():
 class FixedToken:
     """An executor with no model: every request that samples emits token 7."""
 
+    last_prepare_time = 0.0
+
     def execute(self, plan):
         return {s.request.request_id: 7 for s in plan.scheduled if s.samples}
 

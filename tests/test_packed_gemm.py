@@ -1,24 +1,28 @@
 """``enforce_eager=False`` on a CPU: decode steps on weights packed once for oneDNN give
 the eager engine's greedy tokens (transformers' are checked in test_checkpoints.py), and
-a bucket where packing measured slower runs eagerly."""
+packing replaces the dense weights, and the start-up choice follows what it measured."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from test_compiled_step import ENGINE, workload
 from tinyserve import LLM, SamplingParams, packed_gemm
+from tinyserve.checkpoint import save_pretrained
+from tinyserve.executor import ModelExecutor
 from tinyserve.model import get_preset, LlamaForServing
 
 pytestmark = pytest.mark.skipif(not packed_gemm.onednn_available(),
                                 reason="this torch has no oneDNN")
 
 
-def test_packed_greedy_tokens_equal_eager_under_batching_chunking_caching_preemption(monkeypatch):
-    monkeypatch.setattr(packed_gemm, "CHOOSE_FASTER", False)     # every bucket packed
+def test_packed_greedy_tokens_equal_eager_under_batching_chunking_caching_preemption():
     packed, eager = LLM(**ENGINE, enforce_eager=False), LLM(**ENGINE, enforce_eager=True)
     prompts, params = workload(seed=1)
     expected = eager.generate(prompts, params)
@@ -32,29 +36,72 @@ def test_packed_greedy_tokens_equal_eager_under_batching_chunking_caching_preemp
     assert packed.engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
 
 
-def test_a_bucket_where_packing_is_slower_runs_eagerly(monkeypatch):
-    measured = {1: 1.3, 2: 0.8, 4: 1.1}
-    monkeypatch.setattr(packed_gemm.PackedDecode, "time_against_eager",
-                        lambda self, size, pairs=packed_gemm.CHOICE_PAIRS: measured[size])
-    llm = LLM(**ENGINE, enforce_eager=False)
+class FakeClock:
+    """``time.perf_counter`` for the start-up timing: a forward takes 1 ms, or 10 ms on
+    the side made slow (the eager forward, with no packed weights, or the packed one)."""
+
+    def __init__(self, slow: str):
+        self.now, self.slow = 0.0, slow
+
+    def __call__(self) -> float:
+        return self.now
+
+    def hook(self, module, args, kwargs):
+        self.now += 0.010 if (kwargs.get("packed") is None) == (self.slow == "eager") else 0.001
+
+
+@pytest.mark.parametrize("slow, kept", [("eager", True), ("packed", False)])
+def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
+    """The timed steps at start decide: with eager measured clearly slower every bucket
+    chooses packed and the packed weights are kept; with packed measured slower every
+    bucket chooses eager and packing is dropped (dense weights, nothing packed)."""
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    clock = FakeClock(slow)
+    handle = model.register_forward_pre_hook(clock.hook, with_kwargs=True)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
+                             capture_sizes=(1, 2, 4))
+    monkeypatch.undo()
+    handle.remove()
+    path = executor.packed
+    want = "packed" if kept else "eager"
+    assert path.choices == {1: want, 2: want, 4: want}
+    assert all(r == pytest.approx(10.0 if kept else 0.1) for r in path.speedups.values())
+    assert (path.weights is not None) == kept and executor.enforce_eager == (not kept)
+    dense = {n: p.device.type for n, p in model.named_parameters()}
+    assert all(d == "cpu" for d in dense.values()) == (not kept)
+    assert (("kept" if kept else "dropped") in path.describe())
+
+
+def linear_bytes_held(llm) -> int:
+    """Bytes of weight storage the engine holds: dense parameters (each storage once)
+    and the packed copies."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in llm.model.parameters() if not p.is_meta}
     path = llm.engine.executor.packed
-    assert path.choices == {1: "packed", 2: "eager", 4: "packed"}
-    assert "B=2: eager (0.80x)" in path.describe()
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    before = path.steps_run
-    llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)      # every decode step has 2 rows
-    assert path.steps_run == before
-    llm.generate([[5, 6, 7], [8, 9, 10, 11], [12], [13, 14]], params)
-    assert path.steps_run > before                           # 3 and 4 rows: bucket 4
-    assert path.use_for(5) is None                           # past the largest bucket
+    packed = 0 if path is None or path.weights is None else sum(
+        m.packed.numel() * m.packed.element_size()
+        + (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
+        for m in path.weights._all())
+    return sum(storages.values()) + packed
 
 
-def test_the_choice_at_start_is_a_measured_ratio_for_every_bucket():
-    path = LLM(**ENGINE, enforce_eager=False).engine.executor.packed
-    assert set(path.speedups) == set(path.sizes)
-    assert all(0 < r < float("inf") for r in path.speedups.values())
-    assert all(path.choices[s] == ("packed" if path.speedups[s] >= 1.0 else "eager")
-               for s in path.sizes)
+@pytest.mark.parametrize("tied", [False, True])
+def test_packing_replaces_the_weights_instead_of_copying_them(tied, tmp_path):
+    config = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=tied)
+    save_pretrained(LlamaForServing.from_seed(config, seed=3), tmp_path)
+    checkpoint = sum(t.numel() * t.element_size() for t in load_file(tmp_path / "model.safetensors").values())
+    llm = LLM(str(tmp_path), **{k: v for k, v in ENGINE.items() if k != "model"}, enforce_eager=False)
+    assert llm.engine.executor.packed.weights is not None
+    assert linear_bytes_held(llm) == checkpoint
+    eager = LLM(str(tmp_path), **{k: v for k, v in ENGINE.items() if k != "model"}, enforce_eager=True)
+    assert linear_bytes_held(eager) == checkpoint
+    # Saving unpacks for the moment it takes: the file is the checkpoint, byte for byte.
+    llm.save_pretrained(tmp_path / "again")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    for name, t in load_file(tmp_path / "model.safetensors").items():
+        assert torch.equal(again[name], t), name
+    assert linear_bytes_held(llm) == checkpoint
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -77,9 +124,16 @@ def test_packed_layers_compute_what_the_linear_layers_compute(bias):
     torch.testing.assert_close(packed.down_proj(y), mlp.down_proj(y), rtol=1e-5, atol=1e-5)
 
 
-def test_other_dtypes_are_not_packed():
-    model = LlamaForServing.from_seed(get_preset("tiny")).to(torch.bfloat16)
-    assert not packed_gemm.supported(model)
+def test_a_dtype_is_packed_exactly_where_onednn_packs_it():
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = model.to(dtype)
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4, dtype=dtype), 8)
+            reorders = dtype != torch.float16
+        except RuntimeError:
+            reorders = False
+        assert packed_gemm.supported(model) == reorders, dtype
 
 
 def test_the_default_packs_weights_larger_than_the_last_level_cache(monkeypatch):
@@ -87,10 +141,10 @@ def test_the_default_packs_weights_larger_than_the_last_level_cache(monkeypatch)
     model = LlamaForServing.from_seed(get_preset("tiny"))
     size = packed_gemm.weight_bytes(model)
     monkeypatch.setattr(host, "l3_cache_bytes", lambda: size - 1)
-    assert engine.default_enforce_eager(model) is False           # streams from memory: pack
+    assert engine.default_enforce_eager(model) is None            # streams from memory: measure
     monkeypatch.setattr(host, "l3_cache_bytes", lambda: size)
     assert engine.default_enforce_eager(model) is True            # fits in the cache: eager
-    assert engine.default_enforce_eager(model.to(torch.bfloat16)) is True
+    assert engine.default_enforce_eager(model.to(torch.float16)) is True  # not packed
 
 
 def test_weight_bytes_count_a_tied_output_projection_once():

@@ -20,10 +20,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import tinyserve.executor
+import tinyserve.sampler
 from tinyserve import LLM, SamplingParams
 from tinyserve.bench.soak import check_soak, hang_up_mid_stream, soak_async, wait_idle
-from tinyserve.executor import sample_token
+from tinyserve.sampler import sample_token
 from tinyserve.serving.app import ENGINE_KEY, ServerConfig, build_app
 from tinyserve.serving.processes import ServerProcess
 from tinyserve.serving.request_parsing import render_chat
@@ -139,13 +139,13 @@ def test_tiny_top_p_is_served_greedy(srv, ref):
 def test_one_failing_request_fails_alone(srv, ref, monkeypatch):
     """Sampling is forced to raise for one seed: that request gets an error (event or
     500), every other request in the same batches gets exactly its offline tokens."""
-    real = tinyserve.executor.sample_token
+    real = tinyserve.sampler.sample
 
-    def faulty(logits, params, generator):
-        if params.seed == FAIL_SEED:
+    def faulty(logits, params, generators):
+        if any(p.seed == FAIL_SEED for p in params):
             raise RuntimeError("injected sampling fault")
-        return real(logits, params, generator)
-    monkeypatch.setattr(tinyserve.executor, "sample_token", faulty)
+        return real(logits, params, generators)
+    monkeypatch.setattr(tinyserve.sampler, "sample", faulty)
 
     before = _debug(srv)
     client = srv.sdk()
@@ -197,11 +197,11 @@ def test_one_failing_request_fails_alone(srv, ref, monkeypatch):
 def test_offline_generate_still_raises_a_sampling_fault(monkeypatch):
     """Only a server opts in to per-request isolation: offline, a fault is never hidden
     behind placeholder tokens."""
-    def broken(logits, params, generator):
+    def broken(logits, params, generators):
         raise RuntimeError("injected")
-    monkeypatch.setattr(tinyserve.executor, "sample_token", broken)
+    monkeypatch.setattr(tinyserve.sampler, "sample", broken)
     llm = LLM("tiny", seed=0)
-    assert llm.engine.executor.sample_failures is None
+    assert llm.engine.take_sample_failures() == {}
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0))
 

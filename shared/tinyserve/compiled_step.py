@@ -22,8 +22,10 @@ A compiled graph is not faster everywhere: MKL's packed GEMM, which freezing
 uses for fp32 on x86, is fast on an Intel Xeon and slow at small batches on an
 AMD EPYC, where plain eager can win. So after compiling, ``warm_up`` times each
 bucket's graph against the eager forward on the same inputs (interleaved pairs,
-``measure.paired_ratio``) and keeps the faster one (``choices``, printed by
-``describe``): ``enforce_eager=False`` is then never slower than eager.
+``host.paired_ratio``) and keeps the one that measured faster (``choices``,
+printed by ``describe``). That is a sample taken at start, on whatever else the
+machine was doing then: a bucket near a tie can choose differently from one
+start to the next.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import warnings
 import torch
 
 from tinyserve.host import paired_ratio
-from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
+from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing, scratch_decode
 
 # vLLM's default capture sizes start 1, 2, 4, 8, then go in steps of 8; powers of two
 # keep the number of graphs (each one a compile and, with freezing, a packed copy of
@@ -126,10 +128,10 @@ class CompiledDecode:
         interleaved (the median of ``pairs`` paired ratios). The eager side is the
         engine's own eager decode path (unpadded metadata, every row sampled), on rows
         that all write to the scratch slot, as the graph's padding rows do."""
-        packed = self.pack([], [], [], [], [], size)
+        graph_inputs = self.inputs_for([], [], [], [], [], size)
         eager = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
-        return paired_ratio(eager, lambda: self.replay(packed), pairs=pairs, sync=sync).median
+        return paired_ratio(eager, lambda: self.replay(graph_inputs), pairs=pairs, sync=sync).median
 
     def describe(self) -> str:
         """One line: which path each bucket runs, and the speed-up measured at start."""
@@ -140,9 +142,9 @@ class CompiledDecode:
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], context_lens: list[int], bucket: int) -> torch.Tensor:
         """Logits of the ``len(ids)`` decode rows, computed as a batch of ``bucket``."""
-        return self.replay(self.pack(ids, positions, slots, tables, context_lens, bucket))
+        return self.replay(self.inputs_for(ids, positions, slots, tables, context_lens, bucket))
 
-    def pack(self, ids: list[int], positions: list[int], slots: list[int],
+    def inputs_for(self, ids: list[int], positions: list[int], slots: list[int],
              tables: list[list[int]], context_lens: list[int], bucket: int):
         """The graph's inputs: the rows padded to ``bucket``, the tables to the widest."""
         n, pad = len(ids), bucket - len(ids)
@@ -159,9 +161,9 @@ class CompiledDecode:
                   torch.tensor(positions + [0] * pad, device=dev))
         return n, inputs, meta
 
-    def replay(self, packed) -> torch.Tensor:
-        """Run the bucket's graph on ``pack``'s output; the logits of the real rows."""
-        n, inputs, meta = packed
+    def replay(self, graph_inputs) -> torch.Tensor:
+        """Run the bucket's graph on ``inputs_for``'s output; the logits of the real rows."""
+        n, inputs, meta = graph_inputs
         # Freezing is read when a graph is compiled, and only applies with autograd off
         # where the call is made; patching each call keeps a recompile from silently
         # compiling without it.
@@ -169,23 +171,6 @@ class CompiledDecode:
             logits = self.forward(*inputs, meta, self.kv_cache, None)
         self.steps_run += 1
         return logits[:n]
-
-
-def scratch_decode(model: LlamaForServing, kv_cache: KVCache, size: int, scratch_slot: int,
-                   **forward_options):
-    """A call running the engine's eager decode path (unpadded metadata, every row
-    sampled) on ``size`` rows that all write to ``scratch_slot``: a step to time a
-    faster path against, at start, without touching any request's blocks."""
-    dev = next(model.parameters()).device
-    scratch_block = scratch_slot // kv_cache.block_size
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((size,), scratch_slot, device=dev), query_lens=[1] * size,
-        context_lens=[1] * size, block_tables=torch.full((size, 1), scratch_block, device=dev),
-        num_decodes=size, decode_context_lens=torch.ones(size, dtype=torch.long, device=dev))
-    ids = torch.zeros(size, dtype=torch.long, device=dev)
-    positions = torch.zeros(size, dtype=torch.long, device=dev)
-    rows = torch.arange(size, device=dev)
-    return lambda: model(ids, positions, meta, kv_cache, rows, **forward_options)
 
 
 def compile_decode(model: LlamaForServing, kv_cache: KVCache, max_blocks_per_seq: int,

@@ -6,6 +6,7 @@ executor's business, behind one interface::
 
     executor.execute(plan) -> {request_id: sampled token}   # for requests that emit one
     executor.release(request_id)                            # a request left: drop its state
+    executor.last_prepare_time                              # host seconds of the last execute
 
 * ``executor.ModelExecutor`` runs the real model; the clock is wall time.
 * ``sim.SimExecutor`` prices the step from the roofline and moves a
@@ -33,6 +34,10 @@ DEFAULT_STEP_STATS_WINDOW = 10_000
 
 
 class Executor(Protocol):
+    # Seconds the last ``execute`` spent laying out its inputs on the host (0 for
+    # executors with no such work): ``StepStats.prepare_time``.
+    last_prepare_time: float
+
     def execute(self, plan: SchedulerOutput) -> dict[str, int]: ...
 
     def release(self, request_id: str) -> None: ...
@@ -59,27 +64,6 @@ class StepResult:
     stats: StepStats
 
 
-def check_fits(config: SchedulerConfig, num_kv_blocks: int, num_prompt_tokens: int,
-               max_tokens: int) -> None:
-    """Reject a request the engine could never finish, before it takes a seat.
-
-    A request stops at ``max_model_len`` tokens (finish reason "length"), so only
-    the prompt itself must fit the context.
-    """
-    if num_prompt_tokens > config.max_model_len:
-        raise ValueError(f"prompt is {num_prompt_tokens} tokens, longer than the model's "
-                         f"context (max_model_len={config.max_model_len})")
-    total = min(num_prompt_tokens + max_tokens, config.max_model_len)
-    need = blocks_for(total, config.block_size)
-    if need > num_kv_blocks:
-        raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the cache has "
-                         f"only num_kv_blocks={num_kv_blocks}")
-    if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
-        # Without chunking a prompt (or its recompute after preemption) must fit one step.
-        raise ValueError(f"request of up to {total} tokens exceeds max_num_batched_tokens="
-                         f"{config.max_num_batched_tokens}; enable_chunked_prefill or raise the budget")
-
-
 class EngineCore:
     """Scheduler + block manager + an executor, stepped by ``step()``.
 
@@ -100,7 +84,25 @@ class EngineCore:
         self.record_batches, self.check_invariants = record_batches, check_invariants
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        check_fits(self.config, self.block_manager.num_blocks, num_prompt_tokens, max_tokens)
+        """Reject a request the engine could never finish, before it takes a seat.
+
+        A request stops at ``max_model_len`` tokens (finish reason "length"), so only
+        the prompt itself must fit the context.
+        """
+        config, num_kv_blocks = self.config, self.block_manager.num_blocks
+        if num_prompt_tokens > config.max_model_len:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, longer than the model's "
+                             f"context (max_model_len={config.max_model_len})")
+        total = min(num_prompt_tokens + max_tokens, config.max_model_len)
+        need = blocks_for(total, config.block_size)
+        if need > num_kv_blocks:
+            raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the cache has "
+                             f"only num_kv_blocks={num_kv_blocks}")
+        if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
+            # Without chunking a prompt (or its recompute after preemption) must fit one step.
+            raise ValueError(f"request of up to {total} tokens exceeds max_num_batched_tokens="
+                             f"{config.max_num_batched_tokens}; enable_chunked_prefill or raise "
+                             "the budget")
 
     def add_request(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
@@ -154,7 +156,7 @@ class EngineCore:
                schedule_time: float) -> StepStats:
         bm, tokens = self.block_manager, plan.num_scheduled_tokens
         decode = sum(1 for s in plan.scheduled if s.is_decode)
-        prepare = getattr(self.executor, "last_prepare_time", 0.0)
+        prepare = self.executor.last_prepare_time
         return StepStats(
             start=start, duration=duration, schedule_time=schedule_time, prepare_time=prepare,
             num_running=plan.num_running, num_waiting=plan.num_waiting,

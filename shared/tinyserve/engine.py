@@ -7,6 +7,7 @@ abort); ``LLM`` wraps it for offline use: ``LLM("tiny").generate(prompts)``.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,16 @@ from tinyserve.tokenizer import (TOKENIZER_FILE, ByteBPETokenizer, StreamDetoken
                                  load_default_tokenizer)
 
 Prompt = str | Sequence[int]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A validated prompt with its token ids, and when its tokenization started and ended."""
+    prompt: Prompt
+    token_ids: list[int]
+    received: float
+    done: float
 
 
 @dataclass
@@ -68,7 +79,7 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter,
                  enable_prefix_caching: bool = False,
                  step_stats_window: int | None = DEFAULT_STEP_STATS_WINDOW,
-                 enforce_eager: bool = True, capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
+                 enforce_eager: bool | None = True, capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model: vocab_size {model.config.vocab_size} is smaller than the "
                              f"tokenizer's {tokenizer.vocab_size}")
@@ -118,25 +129,32 @@ class LLMEngine:
         """Reject a request the engine could never finish, before it takes a seat."""
         self.core.check_fits(num_prompt_tokens, params.max_tokens)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def tokenize(self, prompt: Prompt | Tokenized) -> Tokenized:
+        """Validate a prompt and tokenize it once, timing the encode (``LLM.generate``
+        checks every prompt this way before adding any)."""
+        if isinstance(prompt, Tokenized):
+            return prompt
+        received = self.clock()
+        ids = self.to_token_ids(prompt)          # tokenization happens here, on the CPU
+        return Tokenized(prompt, ids, received, self.clock())
+
+    def add_request(self, prompt: Prompt | Tokenized, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> str:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        received = self.clock()
-        ids = self.to_token_ids(prompt)          # tokenization happens here, on the CPU
-        tokenized = self.clock()
+        tokenized = self.tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, ids, params,
-                          arrival_time=received if arrival_time is None else arrival_time,
-                          prompt=prompt if isinstance(prompt, str) else None,
-                          eos_token_id=self.tokenizer.eos_token_id, priority=priority,
-                          extra_eos_token_ids=self._extra_eos)
-        request.tokenize_time = tokenized - received
-        request.queued_time = tokenized
+        text = tokenized.prompt if isinstance(tokenized.prompt, str) else None
+        request = Request(request_id, tokenized.token_ids, params,
+                          arrival_time=tokenized.received if arrival_time is None else arrival_time,
+                          prompt=text, eos_token_id=self.tokenizer.eos_token_id,
+                          priority=priority, extra_eos_token_ids=self._extra_eos)
+        request.tokenize_time = tokenized.done - tokenized.received
+        request.queued_time = tokenized.done
         self.core.add_request(request)            # raises if it could never finish
         self.requests[request_id] = request
         self._detokenizers[request_id] = StreamDetokenizer(self.tokenizer)
@@ -148,6 +166,21 @@ class LLMEngine:
         del self.requests[request_id]
         del self._detokenizers[request_id]
         return True
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request the caller will not read (a step that failed after
+        retiring it); its blocks are already free."""
+        self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+
+    def isolate_sample_failures(self) -> None:
+        """A server's mode: a request whose sampling raises fails alone
+        (``take_sample_failures``); the rest of its step goes on."""
+        self.executor.isolate_sample_failures()
+
+    def take_sample_failures(self) -> dict[str, Exception]:
+        """Requests whose sampling raised since the last call (id -> error)."""
+        return self.executor.take_sample_failures()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -204,12 +237,14 @@ class LLM:
     ``kernels="triton"`` runs the memory-bound ops as fused Triton kernels
     (in Triton's interpreter when there is no GPU: correct, but slow).
     ``step_stats_window``: how many recent steps ``engine.step_stats`` keeps.
-    ``enforce_eager=False`` speeds up pure decode steps in each batch bucket up to
-    ``max_num_seqs`` where that measured faster at start: on a CPU (fp32) on weights
-    packed once for oneDNN (``packed_gemm.py``), elsewhere with one compiled graph per
-    bucket (``torch.compile``; ``compiled_step.py``); ``None`` picks the default
-    (``default_enforce_eager``: packed on a CPU for weights larger than its cache,
-    else eager).
+    ``enforce_eager=False``: on a CPU (fp32; bf16 where oneDNN packs it) every step
+    runs on weights packed once for oneDNN, which replace the dense ones
+    (``packed_gemm.py``); elsewhere pure decode steps of each batch bucket up to
+    ``max_num_seqs`` run on one compiled graph per bucket (``torch.compile``;
+    ``compiled_step.py``). ``None`` picks the default (``default_enforce_eager``:
+    on a CPU with weights larger than its cache, packed if a decode step timed at
+    start found that faster, else eager; the choice is logged and kept in
+    ``engine.executor.decode_path``).
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_num_seqs: int = 8,
@@ -253,6 +288,9 @@ class LLM:
                                 step_stats_window=step_stats_window,
                                 enforce_eager=(default_enforce_eager(net) if enforce_eager is None
                                                else enforce_eager))
+        path = self.engine.executor.decode_path
+        if path is not None:
+            log.info("decode path: %s", path.describe())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -269,12 +307,14 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         engine = self.engine
-        # Validate everything first so that one bad prompt adds nothing.
+        # Validate (and tokenize, once) everything first so that one bad prompt adds nothing.
+        tokenized = []
         for prompt, p in zip(prompts, params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            engine.check_fits(len(engine.to_token_ids(prompt)), p)
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+            tokenized.append(engine.tokenize(prompt))
+            engine.check_fits(len(tokenized[-1].token_ids), p)
+        ids = [engine.add_request(t, p) for t, p in zip(tokenized, params)]
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = _progress(len(ids), use_tqdm)
@@ -291,23 +331,25 @@ class LLM:
         return [results[i] for i in ids]
 
     def save_pretrained(self, path: str | Path) -> Path:
-        path = save_pretrained(self.model, path, self.tokenizer)
+        with self.engine.executor.dense_weights():
+            path = save_pretrained(self.model, path, self.tokenizer)
         self.tokenizer.save(Path(path) / TOKENIZER_FILE)
         return path
 
 
-def default_enforce_eager(model: LlamaForServing) -> bool:
-    """``enforce_eager=None``: fast decode steps where they pay and cost little at start.
-    On a CPU with fp32 weights larger than its last-level cache, that is packing them
-    for oneDNN (about a second, plus a few timed steps per bucket to keep it only where
-    it is faster; ``packed_gemm``); weights that stay in the cache are not read from
-    memory each step, and packing rarely beats eager there. On a GPU, compiled CUDA
-    graphs cost a compile per bucket at every start and have not been measured on
-    hardware yet: eager there, as for other dtypes on a CPU."""
+def default_enforce_eager(model: LlamaForServing) -> bool | None:
+    """``enforce_eager=None``: a faster path where it pays and costs little at start.
+    On a CPU whose oneDNN packs the weights' dtype (``packed_gemm.packs``) and weights
+    larger than its last-level cache: None, pack them (about a second) and keep them
+    packed only if a timed decode step of some bucket found that faster. Weights that
+    stay in the cache are not read from memory each step, and packing rarely beats
+    eager there. On a GPU, compiled CUDA graphs cost a compile per bucket at every
+    start and have not been measured on hardware yet: eager there, as for dtypes this
+    CPU does not pack (bf16 without native bf16 support)."""
     if not packed_gemm.supported(model):
         return True
     cache = host.l3_cache_bytes() or 32 * 2**20
-    return packed_gemm.weight_bytes(model) <= cache
+    return True if packed_gemm.weight_bytes(model) <= cache else None
 
 
 def _progress(total: int, use_tqdm: bool | None):

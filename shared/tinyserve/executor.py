@@ -1,57 +1,65 @@
 """Turns a scheduler plan into one forward pass of the real model, and samples.
 
-The scheduler only decides *who* runs for *how many tokens*; this module packs
-those tokens into flat tensors (ids, positions, cache slots), runs the model
+The scheduler only decides *who* runs for *how many tokens*; this module lays
+those tokens end to end in flat tensors (ids, positions, cache slots), runs the model
 once and picks one token for every request whose prompt is fully in the cache.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import time
 
 import torch
 
-from tinyserve import packed_gemm
+from tinyserve import packed_gemm, sampler
 from tinyserve.compiled_step import CAPTURE_SIZES, compile_decode
 from tinyserve.kv_cache import blocks_for
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
 from tinyserve.request import SEED_MODULUS, SamplingParams
+from tinyserve.sampler import stable_seed, token_logprobs
 from tinyserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class ModelExecutor:
-    """``enforce_eager=False`` runs pure decode steps of up to ``max(capture_sizes)``
-    requests faster: on a CPU (fp32) on weights packed once for oneDNN
-    (``packed_gemm``), elsewhere through compiled graphs (``compiled_step``), in each
-    bucket only where that measured faster at start. Everything else, and every step
-    where neither is possible, runs eagerly."""
+    """Runs the model on the scheduler's plans. ``enforce_eager=True``: plain eager
+    PyTorch. Otherwise, on a CPU whose oneDNN packs the weights' dtype, every step
+    runs on weights packed once for oneDNN (``packed_gemm``; one copy of the weights):
+    ``enforce_eager=False`` pins that, ``None`` keeps it only if it measured faster
+    than eager in some batch bucket at start. Elsewhere ``False`` compiles pure decode
+    steps of up to ``max(capture_sizes)`` requests into graphs (``compiled_step``),
+    each bucket kept where it measured faster, and ``None`` runs eagerly."""
 
     def __init__(self, model: LlamaForServing, num_blocks: int, block_size: int, seed: int = 0,
-                 vocab_size: int | None = None, enforce_eager: bool = True,
+                 vocab_size: int | None = None, enforce_eager: bool | None = True,
                  max_blocks_per_seq: int | None = None,
                  capture_sizes: tuple[int, ...] = CAPTURE_SIZES):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        # Compiled graphs pad their batches; the padding writes to one extra block that the
-        # block manager never hands out.
-        scratch_blocks = 0 if enforce_eager else 1
+        packs = enforce_eager is not True and packed_gemm.supported(model)
+        compiles = enforce_eager is False and not packs
+        # Compiled graphs pad their batches, and timed steps at start write somewhere: to
+        # one extra block that the block manager never hands out.
+        scratch_blocks = 1 if packs or compiles else 0
         self.kv_cache = KVCache(model.config, num_blocks + scratch_blocks, block_size, self.dtype,
                                 self.device)
         self.seed = seed
         # Sample among the first vocab_size ids only (the tokenizer's; None: all rows).
         self.vocab_size = vocab_size
         self._generators: dict[str, torch.Generator] = {}
+        # None: a sampling fault raises (offline); a dict: see isolate_sample_failures.
+        self.sample_failures: dict[str, Exception] | None = None
         self.last_prepare_time = 0.0
         self.graphs = None                  # compiled_step.CompiledDecode
         self.packed = None                  # packed_gemm.PackedDecode
         scratch_slot = num_blocks * block_size
-        if not enforce_eager and packed_gemm.supported(model):
-            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, capture_sizes, scratch_slot)
+        if packs:
+            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, capture_sizes, scratch_slot,
+                                                   choose=enforce_eager is None)
             self.packed.warm_up()
-        elif not enforce_eager:
+        elif compiles:
             width = max_blocks_per_seq or blocks_for(model.config.max_position_embeddings,
                                                      block_size)
             self.graphs = compile_decode(model, self.kv_cache, width, capture_sizes, scratch_slot)
@@ -59,8 +67,8 @@ class ModelExecutor:
     @property
     def enforce_eager(self) -> bool:
         """False only while packed weights or compiled graphs are in use (a failed
-        compile falls back)."""
-        return self.graphs is None and self.packed is None
+        compile falls back; packing measured slower everywhere is dropped)."""
+        return self.graphs is None and (self.packed is None or self.packed.weights is None)
 
     @property
     def decode_path(self):
@@ -90,19 +98,23 @@ class ModelExecutor:
 
         bucket = self._bucket(items)
         if bucket is not None:
-            packed = self.graphs.pack(ids, positions, slots, [i.block_table for i in items],
-                                      [i.request.num_computed_tokens + 1 for i in items], bucket)
+            graph_inputs = self.graphs.inputs_for(ids, positions, slots,
+                                                  [i.block_table for i in items],
+                                                  [i.request.num_computed_tokens + 1 for i in items],
+                                                  bucket)
             self.last_prepare_time = time.perf_counter() - started
-            return self._sample(self.graphs.replay(packed), sample_items)
+            return self._sample(self.graphs.replay(graph_inputs), sample_items)
         meta = self._metadata(items, slots)
         dev = self.device
-        inputs = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                  torch.tensor(sample_rows, dtype=torch.long, device=dev))
-        # Host-side packing time: bookkeeping, not model work.
+        token_ids = torch.tensor(ids, device=dev)
+        token_positions = torch.tensor(positions, device=dev)
+        logits_rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        # Host-side layout time: bookkeeping, not model work.
         self.last_prepare_time = time.perf_counter() - started
-        packed = (self.packed.use_for(len(items))
-                  if self.packed is not None and self._pure_decode(items) else None)
-        logits = self.model(inputs[0], inputs[1], meta, self.kv_cache, inputs[2], packed=packed)
+        weights = (self.packed.weights_for(decode=self._pure_decode(items))
+                   if self.packed is not None else None)
+        logits = self.model(token_ids, token_positions, meta, self.kv_cache, logits_rows,
+                            packed=weights)
         return self._sample(logits, sample_items)
 
     @staticmethod
@@ -133,36 +145,54 @@ class ModelExecutor:
 
     # ---- sampling --------------------------------------------------------------
 
-    # None (offline use): a request whose sampling raises fails the step. A dict (the
-    # server sets one, serving.engine_loop): the exception is recorded under the
-    # request's id, the request gets its greedy token as a placeholder so the step
-    # completes for everyone, and the caller fails that request alone.
-    sample_failures: dict[str, Exception] | None = None
+    def isolate_sample_failures(self) -> None:
+        """From now on a request whose sampling raises does not fail the step: the
+        exception is kept for ``take_sample_failures``, the request gets its greedy token
+        as a placeholder so the step completes for everyone, and the caller (the server,
+        ``serving.engine_loop``) fails that request alone. Offline, a fault raises."""
+        if self.sample_failures is None:
+            self.sample_failures = {}
+
+    def take_sample_failures(self) -> dict[str, Exception]:
+        """The requests whose sampling raised since the last call (request id -> error)."""
+        failures = self.sample_failures or {}
+        if self.sample_failures is not None:
+            self.sample_failures = {}
+        return failures
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> dict[str, int]:
         logits = logits[:, :self.vocab_size]
-        greedy = logits.argmax(dim=-1).tolist()
-        result = {}
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [r for r, item in enumerate(items) if not item.request.sampling_params.greedy]
+        if rows:
+            for row, token in zip(rows, self._draw(logits, [items[r].request for r in rows], rows)):
+                tokens[row] = token
         for row, item in enumerate(items):
-            request = item.request
-            try:
-                result[request.request_id] = self._sample_one(logits[row], request, greedy[row])
-            except Exception as exc:
-                if self.sample_failures is None:
-                    raise
-                self.sample_failures[request.request_id] = exc
-                result[request.request_id] = greedy[row]
-        return result
+            params = item.request.sampling_params
+            if params.logprobs is not None:
+                item.request.logprobs.append(token_logprobs(logits[row], tokens[row],
+                                                            params.logprobs))
+        return {item.request.request_id: token for item, token in zip(items, tokens)}
 
-    def _sample_one(self, logits: torch.Tensor, request, greedy_token: int) -> int:
-        params = request.sampling_params
-        if params.greedy:
-            token = greedy_token
-        else:
-            token = sample_token(logits, params, self._generator(request.request_id, params))
-        if params.logprobs is not None:
-            request.logprobs.append(token_logprobs(logits, token, params.logprobs))
-        return token
+    def _draw(self, logits: torch.Tensor, requests: list, rows: list[int]) -> list[int]:
+        """The sampled tokens of ``rows`` (non-greedy requests), in one batched call; if
+        it raises while failures are isolated, row by row, so that only the faulty
+        requests fail (each keeps its greedy token as a placeholder)."""
+        params = [r.sampling_params for r in requests]
+        generators = [self._generator(r.request_id, r.sampling_params) for r in requests]
+        try:
+            return sampler.sample(logits[rows], params, generators)
+        except Exception:
+            if self.sample_failures is None:
+                raise
+        tokens = []
+        for row, request, p, generator in zip(rows, requests, params, generators):
+            try:
+                tokens.append(sampler.sample(logits[row:row + 1], [p], [generator])[0])
+            except Exception as exc:
+                self.sample_failures[request.request_id] = exc
+                tokens.append(int(logits[row].argmax()))
+        return tokens
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         # One generator per request, so a request's random draws do not depend on
@@ -177,41 +207,10 @@ class ModelExecutor:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def dense_weights(self):
+        """A context in which the model holds dense weights (packed ones are unpacked
+        for its duration): for saving a checkpoint."""
+        if self.packed is not None and self.packed.weights is not None:
+            return self.packed.weights.unpacked()
+        return contextlib.nullcontext(self.model)
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature, then top-k, then top-p (nucleus), then one multinomial draw."""
-    logits = logits.float().cpu() / params.temperature
-    if params.top_k != -1 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p. The most likely token is
-        # always kept: a top_p below float32's range (1e-300) rounds to 0, and the
-        # comparison alone would then drop every token.
-        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        drop[0] = False
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError(f"sampling at temperature {params.temperature!r} gave non-finite "
-                         "probabilities")
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """The log-probability of ``token`` and the ``top`` most likely (id, log-probability)
-    pairs, under the model's own distribution (before temperature, top-k, top-p)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = float(logp[token])
-    if top == 0:
-        return chosen, []
-    values, ids = torch.topk(logp, min(top, logp.numel()))
-    return chosen, list(zip(ids.tolist(), values.tolist()))
-
-
-def stable_seed(engine_seed: int, request_id: str) -> int:
-    """A per-request seed that is the same in every process (unlike ``hash``)."""
-    digest = hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1

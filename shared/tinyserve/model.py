@@ -8,7 +8,7 @@ give the same greedy tokens. The file format sits on top of the model:
 ``checkpoint`` imports this module, never the other way round.
 
 What differs from a training-style model is the attention: one forward runs a
-*packed* batch, the new tokens of every scheduled request laid end to end
+*flat* (ragged) batch, the new tokens of every scheduled request laid end to end
 (a 300-token prefill chunk of one request next to single decode tokens of
 others). Each token's K and V are written into the cache slot chosen by the
 block manager, and each request then attends over its own blocks.
@@ -124,7 +124,7 @@ def get_preset(name: str) -> ModelConfig:
 
 @dataclass
 class AttentionMetadata:
-    """Where each request's tokens sit in the packed batch and in the cache.
+    """Where each request's tokens sit in the flat batch and in the cache.
 
     Requests are ordered decode-first: the first ``num_decodes`` have exactly
     one new token, the rest are prefill chunks.
@@ -139,6 +139,26 @@ class AttentionMetadata:
     # every row is a decode, padding rows sit at the end, and the Python lists above
     # are not read (their values would become graph constants).
     padded: bool = False
+
+
+def scratch_decode(model: "LlamaForServing", kv_cache: "KVCache", size: int, scratch_slot: int,
+                   context: int = 1, **forward_options):
+    """A call running the engine's eager decode path (unpadded metadata, every row
+    sampled) on ``size`` rows that each attend over ``context`` tokens and all write to
+    ``scratch_slot``: a step to time a faster path against, at start, without touching
+    any request's blocks (every block of the rows' tables is the scratch block)."""
+    dev = next(model.parameters()).device
+    scratch_block = scratch_slot // kv_cache.block_size
+    width = -(-context // kv_cache.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((size,), scratch_slot, device=dev), query_lens=[1] * size,
+        context_lens=[context] * size,
+        block_tables=torch.full((size, width), scratch_block, device=dev),
+        num_decodes=size, decode_context_lens=torch.full((size,), context, device=dev))
+    ids = torch.zeros(size, dtype=torch.long, device=dev)
+    positions = torch.full((size,), context - 1, dtype=torch.long, device=dev)
+    rows = torch.arange(size, device=dev)
+    return lambda: model(ids, positions, meta, kv_cache, rows, **forward_options)
 
 
 class KVCache:
@@ -481,9 +501,10 @@ class LlamaForServing(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
                 logits_indices: torch.Tensor | None = None, packed=None) -> torch.Tensor:
-        """Run the packed batch; return logits only for the rows in ``logits_indices``
+        """Run the flat batch; return logits only for the rows in ``logits_indices``
         (the last new token of each request that is due to sample), or for every row.
-        ``packed``: the GEMMs run on weights prepacked once (``packed_gemm.PackedWeights``)."""
+        ``packed``: the GEMMs run on packed weights (``packed_gemm.PackedWeights``),
+        which replace the dense ones once the engine packs them."""
         x = self.model.embed_tokens(input_ids)
         c = self.config
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)

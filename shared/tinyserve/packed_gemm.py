@@ -1,4 +1,4 @@
-"""Decode steps on a CPU with every weight packed once for oneDNN's GEMM.
+"""Every GEMM of the model on one copy of its weights, packed once for oneDNN (CPU).
 
 A decode step should cost one read of the weights. Eager ``F.linear`` on a CPU
 misses that floor at small batches: the BLAS lays each weight matrix out again
@@ -6,43 +6,64 @@ for its micro-kernel on every call, and on some CPUs (an AMD EPYC with MKL) its
 small-M path is slow as well. oneDNN can lay a weight out once
 (``mkldnn._reorder_linear_weight``) and multiply any number of rows against that
 copy (``mkldnn._linear_pointwise``), so one packed copy of the model serves
-every batch size: packing takes about a second, where compiling one graph per
-batch size with ``torch.compile`` took a minute or more (``compiled_step.py``,
-still used on GPUs). As vLLM does with ``QKVParallelLinear`` and
-``MergedColumnParallelLinear``, q, k and v become one GEMM and gate and up
-another: fewer and larger calls, each reading its input once.
+every batch size, prefill chunks included: packing takes about a second, where
+compiling one graph per batch size with ``torch.compile`` took a minute or more
+(``compiled_step.py``, still used on GPUs). As vLLM does with
+``QKVParallelLinear`` and ``MergedColumnParallelLinear``, q, k and v become one
+GEMM and gate and up another: fewer and larger calls, each reading its input once.
 
-Packed is not faster everywhere, so ``PackedDecode.warm_up`` times a decode
-step of each batch-size bucket both ways (interleaved pairs,
-``measure.paired_ratio``) and keeps the faster one per bucket (``choices``,
-printed by ``describe``): ``enforce_eager=False`` is never slower than eager.
-Only pure decode steps use it; prefill chunks are large GEMMs where packing
-buys nothing.
+The packed copy *replaces* the model's linear weights: once packed, the
+``nn.Linear`` parameters are left on the meta device (shape and dtype, no
+memory), every forward runs on ``PackedWeights``, and ``PackedWeights.unpacked``
+puts dense weights back for as long as a caller needs them (saving a
+checkpoint). A tied output projection is the embedding table itself and is not
+packed (that would copy the table); it runs as a plain ``F.linear``.
+
+With ``enforce_eager=None`` (``PackedDecode(..., choose=True)``) the engine first
+times a decode step of each batch-size bucket both ways, dense eager against
+packed, at a realistic context (``CHOICE_CONTEXT``), in interleaved pairs
+(``host.paired_ratio``): a bucket chooses packed when most of its pairs found
+it faster. There is one copy of the weights, so the choice is one for the whole
+model: packed weights are kept if any bucket chose them, and dropped (the dense
+weights stay) if every bucket chose eager. ``choices`` and ``speedups`` record
+what was measured (``describe`` prints them; the engine logs them). The timing
+is a start-up sample on whatever else the machine was doing then, not a
+guarantee for every later step. ``enforce_eager=False`` pins packing: no timing,
+and the dense weights are released layer by layer as they are packed, so start-up
+never holds two copies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import logging
 import time
 from typing import Callable
 
 import torch
 
-from tinyserve.compiled_step import scratch_decode
 from tinyserve.host import paired_ratio
-from tinyserve.model import KVCache, LlamaForServing
+from tinyserve.model import KVCache, LlamaForServing, scratch_decode
+
+log = logging.getLogger(__name__)
 
 # False: enforce_eager=False compiles graphs on a CPU too (tests of compiled_step).
 ENABLED = True
 
 # oneDNN picks its packed layout for a typical row count; one layout serves every M
-# (on the AMD EPYC: within a few % of a layout packed for each batch, B = 1 ... 32).
+# (``bench crossover`` compares it with a layout packed for each batch).
 PACK_HINT = 8
-# After packing, keep packed weights only in the buckets where they beat eager (tests of
-# the packed path itself turn this off).
+# enforce_eager=None: time packed against eager per bucket and keep the weights packed
+# only if a bucket chose them (tests of the packed path itself turn this off).
 CHOOSE_FASTER = True
-# Interleaved eager/packed pairs timed per bucket at start: a few, and more only where
-# those few do not agree on a side (every pair within CLEAR of 1 or on both sides).
-QUICK_PAIRS, CHOICE_PAIRS, CLEAR = 2, 7, 0.05
+# Interleaved eager/packed pairs timed per bucket at start, each a decode step whose
+# rows attend over CHOICE_CONTEXT tokens (capped at the model's context). Only buckets
+# up to CHOICE_MAX_BATCH are timed: the choice is one for the whole model, small
+# batches are where eager and packed GEMMs differ most, and large eager steps would
+# make start-up slow.
+CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,16 +73,31 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(dnn, "_linear_pointwise")
 
 
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU: fp32 wherever oneDNN is
+    built in; bf16 only on CPUs with native bf16 support (AVX512-BF16, AMX, or
+    AVX-NE-CONVERT), where torch's bf16 reorder accepts the weight."""
+    if not onednn_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_HINT)
+    except RuntimeError:                    # "bf16 path needs the cpu support ..."
+        return False
+    return True
+
+
 def supported(model: LlamaForServing) -> bool:
-    """fp32 weights on a CPU, with a torch built with oneDNN (x86 and ARM wheels are)."""
+    """CPU weights of a dtype oneDNN packs here (``packs``), with a torch built with
+    oneDNN (x86 and ARM wheels are)."""
     weight = model.lm_head.weight
-    return ENABLED and weight.device.type == "cpu" and weight.dtype == torch.float32 \
-        and onednn_available()
+    return ENABLED and weight.device.type == "cpu" and packs(weight.dtype)
 
 
 def weight_bytes(model: LlamaForServing) -> int:
     """The bytes a decode step reads: every weight but the embedding table, of which it
-    reads a few rows (unless the output projection is that same table, tied)."""
+    reads a few rows (unless the output projection is that same table, tied). Packed
+    weights count as the dense ones they replaced (their parameters keep the shapes)."""
     read = {id(p): p for name, p in model.named_parameters() if "embed_tokens" not in name}
     read[id(model.lm_head.weight)] = model.lm_head.weight
     return sum(p.numel() * p.element_size() for p in read.values())
@@ -77,98 +113,188 @@ def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     return lambda x: dnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def merged_linear(linears: list[torch.nn.Linear], hint: int = PACK_HINT):
-    """One packed GEMM for several projections of the same input, and the output
-    widths to split its result into."""
-    weight = torch.cat([l.weight.detach() for l in linears])
-    biases = [l.bias for l in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else torch.zeros(l.out_features, dtype=weight.dtype)
-         for b, l in zip(biases, linears)])
-    return onednn_linear(weight, bias, hint), [l.out_features for l in linears]
+def return_freed_memory() -> None:
+    """Give freed weights back to the OS. glibc keeps freed heap chunks below its mmap
+    threshold (most weight matrices) in the process, where RSS still counts them;
+    ``malloc_trim`` returns them. A no-op where the C library is not glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class MergedLinear:
+    """Several projections of the same input (q, k, v; or gate, up) as one packed GEMM,
+    whose output is split back into the projections'."""
+
+    def __init__(self, linears: list[torch.nn.Linear], hint: int = PACK_HINT):
+        self.linears = linears
+        self.widths = [l.out_features for l in linears]
+        weight = torch.cat([l.weight.detach() for l in linears])
+        biases = [l.bias for l in linears]
+        self.has_bias = any(b is not None for b in biases)
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(l.out_features, dtype=weight.dtype)
+                          for b, l in zip(biases, linears)]) if self.has_bias else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
+
+    def release(self) -> None:
+        """Leave the dense parameters on the meta device: the packed copy is the weight."""
+        for linear in self.linears:
+            for name in ("weight", "bias"):
+                p = getattr(linear, name)
+                if p is not None and not p.is_meta:
+                    setattr(linear, name, torch.nn.Parameter(p.to("meta"), requires_grad=False))
+
+    def restore(self) -> None:
+        """Dense parameters again, unpacked from the packed copy."""
+        weights = self.packed.to_dense().split(self.widths)
+        biases = self.bias.split(self.widths) if self.has_bias else [None] * len(self.linears)
+        for linear, w, b in zip(self.linears, weights, biases):
+            linear.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
 
 
 class PackedLayer:
-    """One decoder layer's four GEMMs on packed weights (what ``Attention`` and ``MLP``
+    """One decoder layer's GEMMs on packed weights (what ``Attention`` and ``MLP``
     call when given one)."""
 
     def __init__(self, layer, hint: int = PACK_HINT):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv, self.qkv_widths = merged_linear([attn.q_proj, attn.k_proj, attn.v_proj], hint)
-        self.gate_up, self.gate_up_widths = merged_linear([mlp.gate_proj, mlp.up_proj], hint)
-        self.o_proj = onednn_linear(attn.o_proj.weight, attn.o_proj.bias, hint)
-        self.down_proj = onednn_linear(mlp.down_proj.weight, mlp.down_proj.bias, hint)
+        self.qkv = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj], hint)
+        self.gate_up = MergedLinear([mlp.gate_proj, mlp.up_proj], hint)
+        self.o = MergedLinear([attn.o_proj], hint)
+        self.down = MergedLinear([mlp.down_proj], hint)
+        self.merged = (self.qkv, self.gate_up, self.o, self.down)
 
     def project_qkv(self, x: torch.Tensor):
-        return self.qkv(x).split(self.qkv_widths, dim=-1)
+        return self.qkv(x)
 
     def project_gate_up(self, x: torch.Tensor):
-        return self.gate_up(x).split(self.gate_up_widths, dim=-1)
+        return self.gate_up(x)
+
+    def o_proj(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(x)[0]
+
+    def down_proj(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(x)[0]
 
 
 class PackedWeights:
-    """Every GEMM of the model on one packed copy of its weights (the copy costs as
-    much memory as the weights; the originals stay for prefill)."""
+    """Every GEMM of the model on one packed copy of its weights. ``release=True``
+    drops each dense weight as soon as it is packed (one copy at every moment);
+    otherwise both copies live until ``release()`` or until this object is dropped."""
 
-    def __init__(self, model: LlamaForServing, hint: int = PACK_HINT):
-        self.layers = [PackedLayer(layer, hint) for layer in model.model.layers]
-        self.lm_head = onednn_linear(model.lm_head.weight, model.lm_head.bias, hint)
+    def __init__(self, model: LlamaForServing, hint: int = PACK_HINT, release: bool = False):
+        self.model = model
+        self.layers = []
+        for layer in model.model.layers:
+            self.layers.append(PackedLayer(layer, hint))
+            if release:
+                for merged in self.layers[-1].merged:
+                    merged.release()
+                return_freed_memory()           # before the next layer's copy is made
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        # A tied projection stays the embedding table (packing would copy the table).
+        self.head = None if tied else MergedLinear([model.lm_head], hint)
+        if release and self.head is not None:
+            self.head.release()
+
+    def _all(self) -> list[MergedLinear]:
+        return [m for layer in self.layers for m in layer.merged] + (
+            [self.head] if self.head is not None else [])
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(x) if self.head is None else self.head(x)[0]
+
+    def release(self) -> None:
+        """From now on the packed copy is the only one."""
+        for merged in self._all():
+            merged.release()
+
+    @contextlib.contextmanager
+    def unpacked(self):
+        """Dense weights back in the model for the block (e.g. to save a checkpoint),
+        released again after it."""
+        for merged in self._all():
+            merged.restore()
+        try:
+            yield self.model
+        finally:
+            self.release()
+            return_freed_memory()
 
 
 class PackedDecode:
-    """Pure decode steps on ``PackedWeights``, in the buckets where they beat eager."""
+    """The model on ``PackedWeights`` where that measured faster (or always, pinned).
+
+    ``choose=True``: time each bucket at start and keep packing if any bucket chose it;
+    ``choose=False``: pack, with no timing (``enforce_eager=False``)."""
 
     def __init__(self, model: LlamaForServing, kv_cache: KVCache, sizes: tuple[int, ...],
-                 scratch_slot: int):
+                 scratch_slot: int, choose: bool = True):
         self.model, self.kv_cache = model, kv_cache
         self.sizes = tuple(sorted(sizes))
         self.scratch_slot = scratch_slot        # where timing rows write their K and V
+        self.choose = choose and CHOOSE_FASTER
         self.weights: PackedWeights | None = None
         self.pack_seconds = 0.0
         self.warm_up_seconds = 0.0      # packing and choosing, at start
         # bucket -> eager time / packed time measured at start (> 1: packed is faster)
         self.speedups: dict[int, float] = {}
-        self.choices: dict[int, str] = {s: "packed" for s in self.sizes}
+        self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
 
-    def use_for(self, batch: int) -> PackedWeights | None:
-        """The packed weights for a decode step of ``batch`` rows, if the smallest bucket
-        holding it chose them (None: run eagerly)."""
-        size = next((s for s in self.sizes if s >= batch), None)
-        if size is None or self.choices[size] != "packed":
-            return None
-        self.steps_run += 1
+    def weights_for(self, decode: bool) -> PackedWeights | None:
+        """The packed weights every step runs on while they are kept (None: the dense
+        ones); ``steps_run`` counts the pure decode steps among them."""
+        if self.weights is not None and decode:
+            self.steps_run += 1
         return self.weights
 
     def warm_up(self) -> float:
-        """Pack every weight, then choose per bucket between packed and eager; seconds."""
+        """Pack every weight (and, choosing, time each bucket against eager); seconds."""
         started = time.perf_counter()
-        self.weights = PackedWeights(self.model)
+        self.weights = PackedWeights(self.model, release=not self.choose)
         self.pack_seconds = time.perf_counter() - started
-        if CHOOSE_FASTER:
-            for size in self.sizes:
-                self.speedups[size] = self.time_against_eager(size)
-                self.choices[size] = "packed" if self.speedups[size] >= 1.0 else "eager"
+        if self.choose:
+            for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
+                ratio = self.time_against_eager(size)
+                self.speedups[size] = ratio.median
+                # Most pairs must agree: a tie does not flip between runs into packing.
+                self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
+            if "packed" in self.choices.values():
+                self.weights.release()
+            else:
+                self.weights = None             # the dense weights stay the only copy
+        return_freed_memory()
         self.warm_up_seconds = time.perf_counter() - started
+        log.info("%s", self.describe())
         return self.warm_up_seconds
 
-    def time_against_eager(self, size: int, pairs: int = CHOICE_PAIRS) -> float:
-        """Eager seconds / packed seconds of one decode step of ``size`` rows (the median
-        of interleaved pairs), on rows that write to the scratch slot."""
-        eager = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot)
-        packed = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot,
+    def time_against_eager(self, size: int, pairs: int = CHOICE_PAIRS):
+        """Eager seconds / packed seconds of one decode step of ``size`` rows over a
+        ``CHOICE_CONTEXT``-token context (``host.PairedRatio``: median and spread of
+        interleaved pairs), on rows that write to the scratch slot."""
+        context = min(CHOICE_CONTEXT, self.model.config.max_position_embeddings)
+        eager = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot, context)
+        packed = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot, context,
                                 packed=self.weights)
-        quick = paired_ratio(eager, packed, pairs=min(QUICK_PAIRS, pairs))
-        if min(quick.ratios) > 1 + CLEAR or max(quick.ratios) < 1 - CLEAR or pairs <= QUICK_PAIRS:
-            return quick.median     # a clear case: a start-up second saved per bucket
-        return paired_ratio(eager, packed, pairs=pairs, warmup=0).median
+        return paired_ratio(eager, packed, pairs=pairs)
 
     def describe(self) -> str:
-        """One line: which path each bucket runs, and the speed-up measured at start."""
-        parts = [f"B={s}: {self.choices[s]}" + (f" ({self.speedups[s]:.2f}x)" if s in self.speedups else "")
-                 for s in self.sizes]
-        return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s; decode GEMMs per bucket "
-                "(eager time / packed time): " + ", ".join(parts))
+        """One line: the weights every step runs on, and what each bucket measured."""
+        if not self.choose:
+            return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s (pinned: "
+                    "enforce_eager=False); every step runs on them")
+        parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.choices]
+        kept = ("packed weights kept, every step runs on them" if self.weights is not None
+                else "every bucket chose eager: packing dropped")
+        return (f"{kept}; decode step per bucket (eager time / packed time, median of "
+                f"{CHOICE_PAIRS} pairs at start): " + ", ".join(parts))
 
 
 PACKED_PATHS = ("mkl", "onednn")

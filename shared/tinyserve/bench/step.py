@@ -10,8 +10,10 @@ then pure decode steps of the engine at B = 1 ... 64, eagerly and with
 ``enforce_eager=False`` (weights packed for oneDNN on a CPU, compiled graphs
 on a GPU; each bucket keeps the faster path), and prints each step as a
 multiple of the floor, the knee fitted on the fast curve against the ceilings
-ratio, and what limits the curve past the knee. The start-up cost is measured
-in two fresh processes sharing one new Inductor cache: cold, then warm.
+ratio, and what limits the curve past the knee. The start-up cost (seconds, and
+peak RSS against the checkpoint plus the KV cache) is measured in fresh
+processes sharing one new Inductor cache: cold, then warm, then with the
+packed/eager choice measured at start (``enforce_eager=None``).
 """
 
 from __future__ import annotations
@@ -29,28 +31,43 @@ from tinyserve.bench.crossover import knee_report, machine_info, predicted_cross
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-# A fresh interpreter starting an engine with enforce_eager=False: what a notebook pays.
+# A fresh interpreter starting an engine: what a notebook pays, in seconds and memory.
 PROBE = """\
-import json, time
+import json, resource, time
 started = time.perf_counter()
+import torch, tinyserve.engine
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+baseline = rss()
 from tinyserve import LLM
-llm = LLM({model!r}, max_num_seqs={top}, max_model_len=16, enforce_eager=False)
+llm = LLM({model!r}, max_num_seqs={top}, max_model_len=16, enforce_eager={eager!r})
 path = llm.engine.executor.decode_path
+checkpoint = sum({{id(p): p.numel() * p.element_size() for p in llm.model.parameters()}}.values())
 print(json.dumps({{"start_s": time.perf_counter() - started,
-                   "fast": path is not None,
+                   "fast": path is not None and not llm.engine.executor.enforce_eager,
                    "warm_up_s": path.warm_up_seconds if path else None,
-                   "path": path.describe() if path else None}}))
+                   "path": path.describe() if path else None,
+                   "baseline_rss": baseline, "rss": rss(),
+                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "checkpoint_bytes": checkpoint,
+                   "kv_bytes": llm.engine.executor.kv_cache.nbytes}}))
 """
+
+# The start-up runs: (name, enforce_eager). Cold and warm share one new Inductor cache
+# (it matters where graphs are compiled); "measured" times packed against eager per bucket.
+START_RUNS = (("cold", False), ("warm", False), ("measured", None))
 
 
 def compile_cost(model: str, top: int, cache_dir: str) -> dict:
-    """Start seconds of an ``enforce_eager=False`` engine in a new process: with ``cache_dir`` empty (cold),
-    then again with what the first run left there (warm)."""
+    """Start seconds and memory of an engine in a new process: ``enforce_eager=False``
+    with ``cache_dir`` empty (cold), then again with what the first run left there
+    (warm), then ``enforce_eager=None`` (the choice measured at start)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     runs = {}
-    for name in ("cold", "warm"):
-        out = subprocess.run([sys.executable, "-c", PROBE.format(model=model, top=top)], env=env,
-                             capture_output=True, text=True, check=True)
+    for name, eager in START_RUNS:
+        out = subprocess.run([sys.executable, "-c", PROBE.format(model=model, top=top, eager=eager)],
+                             env=env, capture_output=True, text=True, check=True)
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
     return runs
 
@@ -120,10 +137,17 @@ def print_report(r: dict) -> None:
               f"{tpot / step_s - 1:+.0%} over the step (eager {r['eager_tpot_s'][b] * 1e3:.2f} ms)")
     print(f"enforce_eager=False: {r['decode_path']}")
     for name, c in r.get("compile", {}).items():
-        print(f"{name} start of an enforce_eager=False engine (max_num_seqs={max(r['batch_sizes'])}): "
-              f"{c['start_s']:.1f} s, of which packing or compiling and choosing "
-              f"{c['warm_up_s']:.1f} s" if c["fast"] else
-              f"{name} start: no faster path here, the engine ran eagerly")
+        print(f"{name} start (max_num_seqs={max(r['batch_sizes'])}): {c['start_s']:.1f} s, of which "
+              f"packing or compiling and choosing {c['warm_up_s']:.1f} s" if c["fast"] else
+              f"{name} start: {c['start_s']:.1f} s, the engine runs eagerly")
+        # Memory: what the process holds beyond the interpreter and torch (the baseline,
+        # read before the model is built) against the weights plus the KV cache.
+        need = c["checkpoint_bytes"] + c["kv_bytes"]
+        print(f"  peak RSS {c['peak_rss'] / 2**20:.0f} MiB, RSS after start-up {c['rss'] / 2**20:.0f} MiB; "
+              f"baseline (torch imported) {c['baseline_rss'] / 2**20:.0f} MiB; checkpoint "
+              f"{c['checkpoint_bytes'] / 2**20:.0f} MiB + KV cache {c['kv_bytes'] / 2**20:.0f} MiB: "
+              f"(peak - baseline) / that = {(c['peak_rss'] - c['baseline_rss']) / need:.2f}x, "
+              f"(after start-up - baseline) / that = {(c['rss'] - c['baseline_rss']) / need:.2f}x")
 
 
 def add_arguments(parser) -> None:

@@ -126,6 +126,8 @@ class TraceExecutor:
     """The fake model as an executor of ``core.EngineCore``; it also records, between
     planning and the update, what the step looked like (the lab compares against it)."""
 
+    last_prepare_time = 0.0     # no inputs to lay out
+
     def __init__(self, w: Workload, specs: dict[str, Spec]):
         self.w, self.specs = w, specs
         self.scheduler: Scheduler | None = None

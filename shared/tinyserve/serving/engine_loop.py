@@ -10,7 +10,7 @@ uses no CPU. Because only the engine thread touches the engine, the scheduler
 and the block manager need no locks.
 
 One request's failure is that request's alone. If sampling raises for a request
-(the executor records it, ``ModelExecutor.sample_failures``), that request is
+(``LLMEngine.isolate_sample_failures``), that request is
 aborted and its handler gets an ``EngineError``; everyone else in the step gets
 their token. If a step fails as a whole, the requests it was running fail and
 the waiting ones are kept; the engine goes on. A step that fails with nothing
@@ -86,8 +86,7 @@ class EngineLoop:
         # request_id -> where its deltas go; touched only by the engine thread.
         self._streams: dict[str, _Stream] = {}
         # Sampling failures are isolated per request (see the module docstring).
-        if hasattr(getattr(engine, "executor", None), "sample_failures"):
-            engine.executor.sample_failures = {}
+        engine.isolate_sample_failures()
         # Counters and histograms for /metrics (written by the engine thread only).
         self.num_steps = 0
         self.request_success_total = 0
@@ -170,7 +169,7 @@ class EngineLoop:
                 self._fail_step(exc)
                 continue
             self.num_steps += 1
-            self._deliver(outputs, self._take_sample_failures())
+            self._deliver(outputs, engine.take_sample_failures())
         self._fail_all(EngineError("server is shutting down"))
 
     def _apply(self, command: tuple) -> None:
@@ -201,14 +200,6 @@ class EngineLoop:
                 settle_future(loop, done, exc=exc)
             else:
                 settle_future(loop, done, result=result)
-
-    def _take_sample_failures(self) -> dict[str, Exception]:
-        executor = getattr(self.engine, "executor", None)
-        failures = getattr(executor, "sample_failures", None)
-        if not failures:
-            return {}
-        executor.sample_failures = {}
-        return failures
 
     def _deliver(self, outputs: list[RequestOutput], failures: dict[str, Exception]) -> None:
         # One call_soon_threadsafe per event loop per step, not one per token.
@@ -287,8 +278,7 @@ class EngineLoop:
                                                           RequestStatus.PREEMPTED):
                 continue
             if request is not None and request.is_finished:    # retired by the failed step
-                engine.requests.pop(rid, None)
-                getattr(engine, "_detokenizers", {}).pop(rid, None)
+                engine.forget(rid)
             self._fail_request(rid, exc, batches)
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):

@@ -26,6 +26,8 @@ class SimExecutor:
     """Stands in for ``ModelExecutor``: prices a step instead of running it, and moves
     ``clock`` forward by that price (so the step ends when the hardware would finish it)."""
 
+    last_prepare_time = 0.0     # host work is part of the priced step
+
     def __init__(self, hardware: HardwareSpec, model: ModelSpec, dtype: str = "fp16",
                  overhead: float = 0.0, clock: VirtualClock | None = None,
                  cost_model: str | CostModel = "roofline"):
