@@ -1,7 +1,7 @@
 """Benchmarks that print tables (and write JSON for the notebooks): fused vs unfused
 kernels (``kernels``), the batch-size crossover on this machine (``crossover``), the
 decode step against the weight-read floor, eager and compiled (``step``),
-tinyserve against transformers' ``generate`` on the same weights (``peer``),
+tinyserve against transformers' ``generate`` or a real vLLM on the same weights (``peer``),
 the simulator against the real engine (``sim``), a server under rounds of streams and
 hostile requests (``soak``: errors, RSS and KV blocks per round), the cost of a
 prefix-cache block hash (``prefix-hash``), and every GPU
@@ -53,6 +53,9 @@ def main(argv=None) -> None:
         crossover.main(args)
     elif args.bench == "step":
         step.main(args)
+    elif args.bench == "peer" and args.engine == "vllm":
+        from tinyserve.bench import vllm_peer
+        vllm_peer.main(args)
     elif args.bench == "peer":
         peer.main(args)
     elif args.bench == "sim":

@@ -225,9 +225,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> dict:
-    if args.engine == "vllm":
-        from tinyserve.bench import vllm_peer
-        return vllm_peer.main(args)
     report = run(args.model, QUICK if args.quick else SCENARIOS, continuous=not args.no_continuous)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, ensure_ascii=False))
