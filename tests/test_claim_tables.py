@@ -17,7 +17,7 @@ def test_the_instructor_guide_holds_the_registry_table():
     text = GUIDE.read_text(encoding="utf-8")
     block = text.split(claims.GUIDE_BEGIN, 1)[1].split(claims.GUIDE_END, 1)[0].strip()
     assert block == claims.guide_table(GUIDE), (
-        "the guide's claims table is stale: run python -m tinyserve.book.claims --guide solutions/INSTRUCTOR.md")
+        "the guide's claims table is stale: run python -m tinyserve.book.make_claims --guide solutions/INSTRUCTOR.md")
     for c in claims.CHAPTER:
         assert f"| {c.id} |" in block
 
