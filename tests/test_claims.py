@@ -279,3 +279,12 @@ def test_fusion_fails_when_the_fused_kernel_is_the_unfused_chain(strict, monkeyp
         measured_checks.c06()
     measured = [a.measured for a in claims.RESULTS[-1].history]
     assert len(measured) == claims.NEEDED and all(0.7 < m < 1.4 for m in measured), failed.value
+
+
+def test_per_attempt_runs_an_experiment_once_per_attempt_for_every_claim_on_it(strict):
+    runs = iter([(0.1, 9.0), (1.0, 1.0)])              # attempt 2 fails both claims, attempt 3 holds both
+    again = claims.per_attempt(lambda: next(runs))
+    first = claims.check("C11", "share", 1.0, expect=claims.between(0.5, 2), measure=lambda a: again(a)[0])
+    second = claims.check("C11", "gain", 1.0, expect=claims.between(0.5, 2), measure=lambda a: again(a)[1])
+    assert [a.measured for a in first.history] == [1.0, 0.1, 1.0]
+    assert [a.measured for a in second.history] == [1.0, 9.0, 1.0]     # the same runs, not new ones

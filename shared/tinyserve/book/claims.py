@@ -421,6 +421,24 @@ def check(claim_id: str, what: str, measured, *, expect: Expect, predicted=None,
     return verdict
 
 
+def per_attempt(measure_once: Callable[[], Any]) -> Callable[[int], Any]:
+    """One run of an experiment per attempt, shared by the claims that read it.
+
+    ``again = per_attempt(rerun)`` gives ``again(attempt)``: the first claim that asks for
+    attempt 2 (or 3) runs ``rerun()``, every later claim reads that same run. Several claims
+    on one experiment then cost one re-run per attempt, and their attempt k is one
+    experiment. ``rerun`` measures afresh, as much as the first run did, and returns what
+    it measured instead of changing the notebook's state."""
+    runs: dict[int, Any] = {}
+
+    def again(attempt: int):
+        if attempt not in runs:
+            runs[attempt] = measure_once()
+        return runs[attempt]
+
+    return again
+
+
 def summary(results: list[Verdict] | None = None) -> str:
     """The 本机验证 table of ``results`` (default: every check in this process): the chapter's
     claims measured here are counted apart from those on the simulator's clock and from the
