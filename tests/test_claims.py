@@ -57,15 +57,15 @@ def test_reader_mode_prints_a_verdict_and_never_raises(reader, capsys):
 HOLD, FAIL = 1.0, 0.1                                    # measured values; predicted 1.0, band 0.75-1.33
 
 
-@pytest.mark.parametrize("outcomes, holds, decided_by", [
-    ((HOLD, HOLD), True, 2),                             # decided after two attempts: the third is not run
-    ((FAIL, FAIL), False, 2),
-    ((HOLD, FAIL, HOLD), True, 3),
-    ((FAIL, HOLD, HOLD), True, 3),
-    ((HOLD, FAIL, FAIL), False, 3),                      # holding first does not save it
-    ((FAIL, HOLD, FAIL), False, 3),
+@pytest.mark.parametrize("outcomes, holds, reported", [
+    ((HOLD, HOLD), True, 1),                             # decided after two attempts: the third is not run
+    ((FAIL, FAIL), False, 1),
+    ((HOLD, FAIL, HOLD), True, 1),
+    ((FAIL, HOLD, HOLD), True, 2),
+    ((HOLD, FAIL, FAIL), False, 2),                      # holding first does not save it
+    ((FAIL, HOLD, FAIL), False, 1),
 ])
-def test_strict_mode_decides_by_two_of_three_attempts(strict, outcomes, holds, decided_by):
+def test_strict_mode_decides_by_two_of_three_attempts(strict, outcomes, holds, reported):
     again = Remeasure(*[(m + i / 100, 1.0) for i, m in enumerate(outcomes[1:], 2)])  # attempt i measures m + i/100
     if holds:
         verdict = claims.check("C06", "fusion pays", outcomes[0], predicted=1.0,
@@ -76,13 +76,13 @@ def test_strict_mode_decides_by_two_of_three_attempts(strict, outcomes, holds, d
                          expect=claims.ratio_between(0.75, 1.33), measure=again)
         verdict = claims.RESULTS[-1]
     assert again.attempts == list(range(2, len(outcomes) + 1))
-    assert verdict.holds is holds and verdict.decided_by == decided_by
+    assert verdict.holds is holds and verdict.reported == reported
     assert [a.holds for a in verdict.history] == [m == HOLD for m in outcomes]
-    # The verdict reports the deciding attempt, and every attempt is in its line and its JSON.
-    assert verdict.measured == verdict.history[decided_by - 1].measured
+    # The verdict reports the first attempt on the winning side; every attempt is in its line and JSON.
+    assert verdict.measured == verdict.history[reported - 1].measured
     record = json.loads(json.dumps(verdict.as_dict()))
     assert [h["measured"] for h in record["history"]] == [a.measured for a in verdict.history]
-    assert record["decided_by"] == decided_by and record["holds"] is holds
+    assert record["reported"] == reported and record["holds"] is holds
     assert "三次取二 " + "".join("✓" if m == HOLD else "✗" for m in outcomes) in verdict.line()
 
 

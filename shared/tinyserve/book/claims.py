@@ -22,7 +22,7 @@ p^3 + 3p^2(1 - p): 0.5 for p = 0.5 (retrying until one attempt held passed 0.875
 0.97 for p = 0.9. ``measure(attempt)`` must measure as much as attempt 1 did and
 independently of it (``attempt`` may seed it; it must not grow the repetitions,
 nor aggregate over earlier attempts, nor change state that later cells read: return
-values, and read the deciding attempt from ``Verdict.decided_by``). Every attempt
+values, and read the attempt the verdict reports from ``Verdict.reported``). Every attempt
 is in the verdict line, in ``Verdict.history`` and in ``as_dict`` (``claims.json``).
 A check without ``measure`` (an exact count, a functional property such as "no
 request failed", arithmetic, the simulator) is one attempt in every mode: such a
@@ -289,8 +289,8 @@ class Attempt(NamedTuple):
 
 @dataclass
 class Verdict:
-    """A claim's outcome. ``measured`` and ``predicted`` are those of attempt ``decided_by``
-    (1-based): the last attempt on the side that won; ``history`` holds every attempt."""
+    """A claim's outcome. ``measured`` and ``predicted`` are those of attempt ``reported``
+    (1-based): the first attempt on the side that won; ``history`` holds every attempt."""
 
     claim_id: str
     what: str
@@ -301,7 +301,7 @@ class Verdict:
     why_not: str = ""
     forced: bool = False
     history: list[Attempt] = field(default_factory=list)
-    decided_by: int = 1
+    reported: int = 1
     simulated: bool = False
 
     @property
@@ -332,7 +332,7 @@ class Verdict:
         return {"claim": self.claim_id, "what": self.what, "holds": self.holds,
                 "measured": _jsonable(self.measured), "predicted": _jsonable(self.predicted),
                 "expect": self.expect, "forced": self.forced, "simulated": self.simulated,
-                "auxiliary": self.auxiliary, "decided_by": self.decided_by,
+                "auxiliary": self.auxiliary, "reported": self.reported,
                 "history": [{"measured": _jsonable(a.measured), "predicted": _jsonable(a.predicted),
                              "holds": a.holds} for a in self.history]}
 
@@ -406,10 +406,10 @@ def check(claim_id: str, what: str, measured, *, expect: Expect, predicted=None,
             m, p = again if isinstance(again, tuple) and len(again) == 2 else (again, predicted)
             history.append(Attempt(m, p, expect(m, p)))
     holds = sum(a.holds for a in history) >= min(NEEDED, len(history))
-    decided_by = max(i for i, a in enumerate(history, 1) if a.holds == holds)
-    chosen = history[decided_by - 1]
+    reported = min(i for i, a in enumerate(history, 1) if a.holds == holds)
+    chosen = history[reported - 1]
     verdict = Verdict(claim_id, what, holds, chosen.measured, chosen.predicted, expect.text,
-                      why_not, force, history, decided_by, simulated)
+                      why_not, force, history, reported, simulated)
     RESULTS.append(verdict)
     if not quiet:
         print(verdict.line())
