@@ -104,6 +104,8 @@ bench-gpu: $(STAMP)
 gpu-evidence: $(STAMP)
 	$(PY) -m tinyserve.bench.gpu_evidence
 
+# Each notebook's wall time and the machine go into shared/tinyserve/data/notebook_runtimes.json,
+# and every run time the README and the notebooks state is rewritten from it.
 execute: $(STAMP)
 	$(PY) -m tinyserve.book.notebooks execute chapters solutions
 	$(MAKE) labs
