@@ -44,6 +44,9 @@ MAY_IMPORT = {"core": {"core"}, "sim": {"core", "sim"}, "serving": {"core", "sim
               "labs": {"core", "sim", "serving", "bench", "book", "labs"},
               "entry": set(LAYERS)}
 HTTP_LIBRARIES = ["aiohttp", "http", "urllib", "requests", "httpx", "socket"]
+# The claims machinery of the book in rows, lowest first: the registry and verdicts know no
+# check; the checks know no runner (claims <-> chapter_checks was a cycle).
+CLAIMS_ROWS = [["claims"], ["chapter_checks"], ["make_claims"]]
 
 
 def module_files(name: str) -> list[Path]:
@@ -183,3 +186,12 @@ def test_private_names_are_never_imported_across_modules():
                 if private:
                     found.append(f"{path.relative_to(PACKAGE)}: {private} from {node.module}")
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_the_claims_machinery_imports_only_the_rows_below_it():
+    row = {name: i for i, names in enumerate(CLAIMS_ROWS) for name in names}
+    for name, i in row.items():
+        for path in module_files(f"book/{name}"):
+            above = {m for m in imported_modules(path) if m.startswith("tinyserve.book.")
+                     and m.split(".")[2] in row and row[m.split(".")[2]] > i}
+            assert not above, f"{path.relative_to(PACKAGE)} (row {i}) imports {sorted(above)}"
