@@ -49,16 +49,16 @@ def test_notebook_00_shows_the_table_from_the_registry():
 
 
 def test_a_claim_forced_false_prints_its_verdict_and_the_notebook_goes_on(monkeypatch):
-    # A reader's session (not strict) with C12 forced false: notebook 00 prints the ✗ line,
+    # A reader's session (not strict) with A01 forced false: notebook 00 prints the ✗ line,
     # raises nowhere and reaches its last code cell.
     from tinyserve.book.notebooks import run
 
     monkeypatch.delenv(claims.STRICT_ENV, raising=False)
-    monkeypatch.setenv(claims.FORCE_FALSE_ENV, "C12")       # the kernel inherits this process's environment
+    monkeypatch.setenv(claims.FORCE_FALSE_ENV, "A01")       # the kernel inherits this process's environment
     nb = nbformat.read(OVERVIEW, as_version=4)
     run(nb, OVERVIEW.parent, allow_errors=True)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
-    assert "✗ 本机不成立 [C12]" in text and "强制为假" in text
+    assert "✗ 本机不成立 [A01]" in text and "强制为假" in text
     assert code[-1].outputs, "the last code cell did not run"
