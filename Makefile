@@ -72,8 +72,8 @@ lab: $(STAMP)
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(OPEN)
 
 # One pytest run. --nbval-current-env runs notebooks with this venv's python,
-# whatever kernel a machine has installed globally. Claims are strict here: a claim
-# that fails is measured again, and fails the run only if it fails every time.
+# whatever kernel a machine has installed globally. Claims are strict here: a timed
+# claim is decided by two of three attempts, anything else by its one result.
 test: $(STAMP) $(BOOK_STAMP)
 	TINYSERVE_CLAIMS=strict $(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
 
@@ -87,7 +87,7 @@ book-check: $(BOOK_STAMP)
 	TINYSERVE_BOOK_HTML=_build/html $(PY) -m pytest tests/test_book_site.py
 
 claims: $(STAMP)
-	$(PY) -m tinyserve.book.claims --json claims.json
+	$(PY) -m tinyserve.book.make_claims --json claims.json
 
 demo: $(STAMP)
 	$(PY) -m tinyserve.book.demo
@@ -131,6 +131,8 @@ bench-gpu: $(STAMP)
 gpu-evidence: $(STAMP)
 	$(PY) -m tinyserve.bench.gpu_evidence
 
+# Each notebook's wall time and the machine go into shared/tinyserve/data/notebook_runtimes.json,
+# and every run time the README and the notebooks state is rewritten from it.
 execute: $(STAMP)
 	$(PY) -m tinyserve.book.notebooks execute chapters solutions
 	$(MAKE) labs

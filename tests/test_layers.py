@@ -45,6 +45,9 @@ MAY_IMPORT = {"core": {"core"}, "sim": {"core", "sim"}, "serving": {"core", "sim
               "labs": {"core", "sim", "serving", "bench", "book", "labs"},
               "entry": set(LAYERS)}
 HTTP_LIBRARIES = ["aiohttp", "http", "urllib", "requests", "httpx", "socket"]
+# The claims machinery of the book in rows, lowest first: the registry and verdicts know no
+# check; the checks know no runner (claims <-> chapter_checks was a cycle).
+CLAIMS_ROWS = [["claims"], ["chapter_checks"], ["make_claims"]]
 
 
 def module_files(name: str) -> list[Path]:
@@ -209,7 +212,7 @@ def cycle_among(files: list[Path]) -> list[str] | None:
     return next((c for c in map(visit, sorted(names)) if c is not None), None)
 
 
-@pytest.mark.parametrize("subpackage", ["serving", "sim", "bench", "kernels"])
+@pytest.mark.parametrize("subpackage", ["serving", "sim", "bench", "kernels", "book"])
 def test_the_modules_of_a_subpackage_import_each_other_in_one_order(subpackage):
     """Inside a folder the table above does not reach: no circle of imports (the
     OpenAI format's modules, for one, stack responses -> errors -> request_parsing)."""
@@ -224,3 +227,12 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path):
         mp.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
         assert cycle_among([tmp_path / "a.py", tmp_path / "b.py"]) == [
             "tinyserve.a", "tinyserve.b", "tinyserve.a"]
+
+
+def test_the_claims_machinery_imports_only_the_rows_below_it():
+    row = {name: i for i, names in enumerate(CLAIMS_ROWS) for name in names}
+    for name, i in row.items():
+        for path in module_files(f"book/{name}"):
+            above = {m for m in imported_modules(path) if m.startswith("tinyserve.book.")
+                     and m.split(".")[2] in row and row[m.split(".")[2]] > i}
+            assert not above, f"{path.relative_to(PACKAGE)} (row {i}) imports {sorted(above)}"

@@ -1,80 +1,81 @@
-"""Every notebook's run time is stated in four places, and they must agree.
+"""Every run time the docs state is generated from one record (``book/runtimes.py``).
 
-The notebook's own title cell ("**运行时间**：……约 N 秒"), the chapter map of
-notebook 00, and the two tables of the README (Chinese, then English). A
-notebook's time changes when its experiments change; this test makes a stale
-copy fail instead of leaving a reader with three different numbers. Labs are
-stated in the README (twice) and in notebook 00's map.
+``make execute`` records each notebook's wall time and the machine in
+``data/notebook_runtimes.json`` and rewrites the README's two tables, notebook 00's map
+and each chapter notebook's title from it. These tests fail when a doc was edited by
+hand (or a notebook was added) and the generated text no longer matches.
 """
 
-import re
-from pathlib import Path
+import json
 
 import nbformat
+import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CHAPTER = ROOT / "chapters" / "ch05_engine_and_scheduling"
-OVERVIEW = CHAPTER / "00_overview.ipynb"
+from tinyserve.book import runtimes
 
-# "约 9 秒", "约 2 分钟", "~9 s", "~2 min"; a range ("约 10–20 秒") states no single time.
-FIGURE = re.compile(r"(?:约\s*(\d+(?:\.\d+)?)\s*(秒|分钟))|(?:~(\d+(?:\.\d+)?)\s*(s|min)\b)")
-
-
-def seconds(text: str) -> float | None:
-    """The first run time stated in ``text`` (in seconds), or None if there is none."""
-    found = FIGURE.findall(text)
-    if not found:
-        return None
-    zh, zh_unit, en, en_unit = found[0]
-    value, unit = (float(zh), zh_unit) if zh else (float(en), en_unit)
-    return value * 60 if unit in ("分钟", "min") else value
+NOTEBOOKS = sorted(p.stem for p in runtimes.CHAPTER.glob("[0-9][0-9]_*.ipynb"))
+LABS = sorted(p.stem for p in (runtimes.ROOT / "solutions").glob("lab[0-9][0-9]_*.ipynb"))
 
 
-def table_times(markdown: str, name_pattern: str) -> dict[str, float | None]:
-    """{name: seconds} from the last cell of the first table row that names each notebook or lab."""
-    times = {}
-    for line in markdown.splitlines():
-        if not line.startswith("|"):
-            continue
-        match = re.search(name_pattern, line)
-        if match and match.group(1) not in times:
-            times[match.group(1)] = seconds(line.rstrip(" |").rsplit("|", 1)[-1])
-    return times
+def test_the_record_times_every_notebook_and_lab_on_one_machine():
+    data = runtimes.load()
+    assert sorted(data["notebooks"]) == sorted(NOTEBOOKS + LABS)
+    assert all(seconds > 0 for seconds in data["notebooks"].values())
+    assert {"cpu", "cores", "l3_bytes", "gpu", "torch"} <= set(data["machine"])
 
 
-def title_time(path: Path) -> float | None:
-    """The run time in the notebook's opening cells (the line that says 运行时间)."""
-    nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells[:3]:
-        for line in cell.source.splitlines():
-            if "运行时间" in line:
-                return seconds(line)
-    return None
+def test_the_docs_state_the_recorded_run_times():
+    assert runtimes.stale() == [], "run: python -m tinyserve.book.notebooks runtimes --write"
 
 
-def test_run_times_agree_everywhere():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    zh, en = readme.split("## English", 1) if "## English" in readme else (readme, "")
-    overview = "\n".join(c.source for c in nbformat.read(OVERVIEW, as_version=4).cells
+def test_every_notebook_has_a_run_time_in_every_table_and_title():
+    """The generator rewrites what it finds; a table row or title it cannot find would stay
+    stale unnoticed, so each must be there."""
+    readme = runtimes.README.read_text(encoding="utf-8")
+    zh, en = readme.split("## English", 1)
+    overview = "\n".join(c.source for c in nbformat.read(runtimes.OVERVIEW, as_version=4).cells
                          if c.cell_type == "markdown")
-    notebook = r"(?<![\w/])(\d\d)_\w+\.ipynb"        # 03_continuous_batching.ipynb, not lab03_...
-    lab = r"(lab\d\d)_\w+\.ipynb"
-    sources = {"README (中文)": (zh, notebook, lab), "README (English)": (en, notebook, lab),
-               "00 map": (overview, notebook, lab)}
-    problems = []
-    notebooks = sorted(CHAPTER.glob("[0-9][0-9]_*.ipynb"))
-    stated = {p.name[:2]: title_time(p) for p in notebooks}
-    for key, value in stated.items():
-        if value is None:
-            problems.append(f"notebook {key}: its title states no single run time ('约 N 秒', not a range)")
-    labs = {}
-    for where, (text, nb_pat, lab_pat) in sources.items():
-        for key, value in table_times(text, nb_pat).items():
-            if key in stated and value != stated[key]:
-                problems.append(f"notebook {key}: {where} says {value} s, its title {stated[key]} s")
-        for key, value in table_times(text, lab_pat).items():
-            labs.setdefault(key, {})[where] = value
-    for key, values in sorted(labs.items()):
-        if len(set(values.values())) != 1 or None in values.values():
-            problems.append(f"{key}: run times differ: {values}")
-    assert not problems, "\n".join(problems)
+    for where, text in (("README (中文)", zh), ("README (English)", en), ("00 map", overview)):
+        rows = {}
+        for line in text.splitlines():
+            found = runtimes.NOTEBOOK.search(line) if line.startswith("|") else None
+            if found:
+                rows.setdefault(found.group(1), line)          # its row in the map: the first
+        for stem in NOTEBOOKS + LABS:
+            assert stem in rows and runtimes.FIGURE.search(rows[stem].rsplit("|", 2)[-2]), (where, stem)
+    for stem in NOTEBOOKS:
+        nb = nbformat.read(runtimes.CHAPTER / f"{stem}.ipynb", as_version=4)
+        assert any("运行时间" in line and runtimes.FIGURE.search(line)
+                   for c in nb.cells[:3] for line in c.source.splitlines()), stem
+    assert readme.count(runtimes.MACHINE_BEGIN) == 2       # the machine under each language's tables
+
+
+@pytest.mark.parametrize("seconds, zh, en", [(8.6, "约 9 秒", "~9 s"), (47, "约 45 秒", "~45 s"),
+                                             (76, "约 75 秒", "~75 s"), (150.0, "约 2 分钟", "~2 min"),
+                                             (200, "约 3 分钟", "~3 min")])
+def test_run_times_are_rounded_as_a_reader_reads_them(seconds, zh, en):
+    assert (runtimes.zh(seconds), runtimes.en(seconds)) == (zh, en)
+
+
+def test_a_new_time_rewrites_only_the_last_cell_of_its_row(tmp_path):
+    data = runtimes.load()
+    data["notebooks"]["03_continuous_batching"] = 33.0
+    text = ("| 03 | `03_continuous_batching.ipynb` | 约 5 秒 of prose stays | 约 3 分钟 |\n"
+            "| lab01 | `labs/lab01_continuous_batching.ipynb` | 03 | 约 9 秒（答案版） |\n"
+            "## English\n| 03 | `03_continuous_batching.ipynb` | ~5 s stays | ~3 min |")
+    new = runtimes.readme_text(text, data)
+    assert new.splitlines()[0] == "| 03 | `03_continuous_batching.ipynb` | 约 5 秒 of prose stays | 约 35 秒 |"
+    assert new.splitlines()[1] == (f"| lab01 | `labs/lab01_continuous_batching.ipynb` | 03 | "
+                                   f"{runtimes.zh(data['notebooks']['lab01_continuous_batching'])}（答案版） |")
+    assert new.splitlines()[-1] == "| 03 | `03_continuous_batching.ipynb` | ~5 s stays | ~35 s |"
+
+
+def test_recording_a_run_keeps_the_other_times_and_names_the_machine(tmp_path):
+    path = tmp_path / "runtimes.json"
+    machine = {"cpu": "AMD EPYC", "cores": 2, "l3_bytes": 2**25, "gpu": None, "torch": "x"}
+    runtimes.record({"00_overview": 9.0, "01_batching_scheduling_queues": 100.0}, machine, path)
+    data = runtimes.record({"00_overview": 11.0}, machine, path)
+    assert data["notebooks"] == {"00_overview": 11.0, "01_batching_scheduling_queues": 100.0}
+    other = runtimes.record({"00_overview": 7.0}, {**machine, "cpu": "Intel(R) Xeon(R)"}, path)
+    assert other["notebooks"] == {"00_overview": 7.0}         # never two machines in one table
+    assert json.loads(path.read_text(encoding="utf-8"))["machine"]["cpu"] == "Intel(R) Xeon(R)"

@@ -4,29 +4,44 @@ A notebook sentence that states a measured relation sits under a ``check``:
 
     claims.check("C02", "一批共享一次权重读取：每条请求的成本随批变小",
                  measured=speedup, predicted=predicted, expect=claims.ratio_between(0.5, 2.0),
-                 measure=lambda attempt: remeasure(repeats=5 * attempt),
+                 measure=lambda attempt: remeasure(seed=attempt),
                  why_not="机器忙，或 L3 大到装下了整个模型")
 
 prints one verdict line for the reader, ``✓ 本机成立：...`` or ``✗ 本机不成立：...``
 with the numbers and what to try, and returns a ``Verdict``. In a reader's session
-a check never raises, so "Run All" always reaches the end of the notebook.
+a check is one measurement and never raises, so "Run All" always reaches the end
+of the notebook.
 
-Strict mode (``TINYSERVE_CLAIMS=strict``, set by ``make test``) is for CI: a
-failing claim is measured again with ``measure(attempt)`` (attempt = 1, 2, ...,
-asked to use more repetitions each time) and fails with ``ClaimFailed`` only when
-every attempt fails, so one unlucky run on a busy machine is not a failure, and a
-property that is really gone is.
+Strict mode (``TINYSERVE_CLAIMS=strict``, set by ``make test``) is for CI and decides
+a timed claim by **two of three**, a rule fixed before anything is measured: the
+value given is attempt 1, ``measure(2)`` and ``measure(3)`` are attempts 2 and 3,
+and the claim holds when two attempts hold. Measuring stops as soon as the outcome
+is decided (two held, or two failed), so a claim that holds costs two measurements.
+A property that holds with probability p on one attempt passes with probability
+p^3 + 3p^2(1 - p): 0.5 for p = 0.5 (retrying until one attempt held passed 0.875),
+0.97 for p = 0.9. ``measure(attempt)`` must measure as much as attempt 1 did and
+independently of it (``attempt`` may seed it; it must not grow the repetitions,
+nor aggregate over earlier attempts, nor change state that later cells read: return
+values, and read the attempt the verdict reports from ``Verdict.reported``). Every attempt
+is in the verdict line, in ``Verdict.history`` and in ``as_dict`` (``claims.json``).
+A check without ``measure`` (an exact count, a functional property such as "no
+request failed", arithmetic, the simulator) is one attempt in every mode: such a
+property is never retried.
 
 ``TINYSERVE_CLAIMS_FORCE_FALSE=C02,C06`` turns those claims' verdicts to ✗ without
 measuring anything differently: it shows what a reader sees when a claim does not
 hold (and, in strict mode, that the claim fails).
 
 ``CHAPTER`` is the registry of the chapter's 24 claims in chapter order: the
-section, a one-line paraphrase, the notebook that proves it and how. Notebook 00's
-table and the instructor guide are generated from it (``markdown_table``), and
-``python -m tinyserve.book.claims`` (``make claims``) runs a fast measurement of
-every one (``tinyserve.book.chapter_checks``) and prints the chapter's verdict
-table for this machine.
+section, a one-line paraphrase, the notebook that proves it and how. ``AUXILIARY``
+holds the checks a notebook makes that are not the chapter's claims (A01, ...):
+they print verdicts but stay out of the chapter's tables. A claim the registry
+marks "stated" cannot be checked (it never prints ✓); a check of a "simulated"
+claim without ``measure`` says 模拟 in its line, and is not counted as measured on
+this machine. Notebook 00's table and the instructor guide are generated from the
+registry (``markdown_table``); ``python -m tinyserve.book.make_claims``
+(``make claims``) runs a fast check of every claim and prints the table for this
+machine.
 """
 
 from __future__ import annotations
@@ -34,11 +49,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 STRICT_ENV = "TINYSERVE_CLAIMS"
 FORCE_FALSE_ENV = "TINYSERVE_CLAIMS_FORCE_FALSE"
-RETRIES = 2          # strict mode: measurements after the first before a claim fails
+ATTEMPTS, NEEDED = 3, 2     # strict mode: a timed claim holds when NEEDED of ATTEMPTS attempts hold
 
 
 # --------------------------------------------------------------------------- the registry
@@ -63,18 +78,18 @@ class ChapterClaim:
 
 
 CHAPTER: tuple[ChapterClaim, ...] = (
-    ChapterClaim("C01", "本章开头", "同一张卡、同一个模型，服务的吞吐可以差出几个数量级，差距来自软件而不是硬件",
+    ChapterClaim("C01", "本章开头", "同一张卡、同一个模型，服务的吞吐可以差出三个数量级，差距来自软件而不是硬件",
                  ("01", "04"), "computed",
-                 "屋顶线上 A100 + 7B 从每次一条到批开到交叉点相差约 150 倍；逐条且不用 KV 缓存再差一个量级，"
-                 "三个数量级要连同不复用 KV 的实现一起算（`make claims` 按屋顶线算出至少两个数量级；"
-                 "01 和 04 只量出其中批处理的那一段）"),
+                 "屋顶线上 A100 + 7B 从每次一条到批开到交叉点相差约 150 倍；逐条且不用 KV 缓存再慢约 5 倍，"
+                 "合起来接近三个数量级（`make claims` 按屋顶线算出）；01 和 04 只量出其中批处理的那一段"),
     ChapterClaim("C02", "先垫三块砖：批处理、调度、队列", "解码每步都要读一遍权重，一批请求共享这次读取，每条请求的成本随批变小",
                  ("01",), "measured"),
     ChapterClaim("C03", "先垫三块砖：批处理、调度、队列", "调度决定批里放谁：吞吐和延迟常常此消彼长",
                  ("01", "06"), "measured"),
     ChapterClaim("C04", "先垫三块砖：批处理、调度、队列", "到达率超过处理能力后，队列按 (λ−μ)t 增长，只有加机器或限流才能收住",
-                 ("01", "06", "08"), "measured"),
-    ChapterClaim("C05", "软件栈的四层", "推理软件分四层，下面两层（引擎与 kernel）决定一次调用实际做了几步、几次前向",
+                 ("01", "06", "08"), "measured",
+                 "01 用真实引擎在本机实测；06、08 和 `make claims` 用模拟器（各机相同）"),
+    ChapterClaim("C05", "软件栈的四层", "推理软件从下往上分四层：CUDA、深度学习框架、推理引擎、编排层；一次调用在引擎层走几步、在框架层做几次前向，都数得出来",
                  ("07",), "measured"),
     ChapterClaim("C06", "kernel 与融合：少读写一次很值", "中间结果写回再读出浪费带宽：融合的加速比可以由少搬的字节数预测",
                  ("02",), "measured"),
@@ -101,7 +116,8 @@ CHAPTER: tuple[ChapterClaim, ...] = (
     ChapterClaim("C17", "调度：先来后到不够用", "每种改法都有代价：分桶降低填充率，优先级会饿死请求，老化给饥饿设上界",
                  ("06",), "simulated"),
     ChapterClaim("C18", "调度：先来后到不够用", "分块预填充让解码的节奏不被长提示词打断，首字延迟也不至于失控",
-                 ("05", "08"), "measured"),
+                 ("05", "08"), "measured",
+                 "05 用真实引擎在本机实测；08 和 `make claims` 用模拟器（各机相同）"),
     ChapterClaim("C19", "调度：先来后到不够用", "输入短输出长的负载适合解码优先，输入长输出短的适合预填充优先",
                  ("06",), "simulated",
                  "前一半成立；后一半在模拟器里不成立：解码优先加分块预填充的有效吞吐更高（06 的“本书说/这里测到”）"),
@@ -118,7 +134,29 @@ CHAPTER: tuple[ChapterClaim, ...] = (
                  ("08",), "simulated"),
 )
 
+
+@dataclass(frozen=True)
+class AuxiliaryCheck:
+    """A check a notebook makes that is not one of the chapter's claims: a guard on its
+    own set-up or on a number its prose uses. It prints a verdict like a claim, and stays
+    out of the chapter's tables and counts."""
+
+    id: str
+    notebook: str
+    statement: str
+
+
+AUXILIARY: tuple[AuxiliaryCheck, ...] = (
+    AuxiliaryCheck("A01", "00", "tiny-zh 在一个 CPU 线程上每一步只要几毫秒"),
+    AuxiliaryCheck("A02", "01", "打开 enforce_eager=False 不会让解码变慢"),
+    AuxiliaryCheck("A03", "04", "RTX 4090 上 7B fp16 的 KV 缓存分给交叉点那么多条请求，每条只剩一百多个 token"),
+    AuxiliaryCheck("A04", "05", "三项步长模型（a + b·n + c·m）比直线更贴近标定的步长"),
+    AuxiliaryCheck("A05", "05", "空闲的引擎上排队时间不到 1 毫秒"),
+    AuxiliaryCheck("A06", "07", "对照表里 tinyserve 这一栏的参数和指标都真实存在"),
+)
+
 BY_ID = {c.id: c for c in CHAPTER}
+AUX_BY_ID = {c.id: c for c in AUXILIARY}
 
 
 def chapter_claim(claim_id: str) -> ChapterClaim:
@@ -127,6 +165,22 @@ def chapter_claim(claim_id: str) -> ChapterClaim:
     except KeyError:
         raise ValueError(f"claim_id: unknown claim {claim_id!r}; the chapter's are "
                          f"{CHAPTER[0].id}..{CHAPTER[-1].id}") from None
+
+
+def _checkable(claim_id: str) -> ChapterClaim | AuxiliaryCheck:
+    """The registry entry a ``check`` may carry: a chapter claim that is not only stated,
+    or an auxiliary check."""
+    if claim_id in AUX_BY_ID:
+        return AUX_BY_ID[claim_id]
+    if claim_id not in BY_ID:
+        raise ValueError(f"claim_id: unknown claim {claim_id!r}; the chapter's are "
+                         f"{CHAPTER[0].id}..{CHAPTER[-1].id}, auxiliary checks "
+                         f"{AUXILIARY[0].id}..{AUXILIARY[-1].id}")
+    claim = BY_ID[claim_id]
+    if claim.how == "stated":
+        raise ValueError(f"claim_id: {claim_id} is stated by the book and cannot be checked here "
+                         f"({claim.note}); give a check of our own an auxiliary id")
+    return claim
 
 
 HOW_ZH = {"measured": "本机实测", "simulated": "模拟器（各机相同）", "computed": "数据手册推算",
@@ -223,30 +277,53 @@ def is_true() -> Expect:
 
 
 class ClaimFailed(AssertionError):
-    """A claim that failed every measurement in strict mode."""
+    """A claim that failed in strict mode (for a timed claim: two of its three attempts)."""
+
+
+class Attempt(NamedTuple):
+    """One measurement of a claim and whether it held."""
+    measured: Any
+    predicted: Any
+    holds: bool
 
 
 @dataclass
 class Verdict:
+    """A claim's outcome. ``measured`` and ``predicted`` are those of attempt ``reported``
+    (1-based): the first attempt on the side that won; ``history`` holds every attempt."""
+
     claim_id: str
     what: str
     holds: bool
     measured: Any
     predicted: Any
     expect: str
-    attempts: int = 1
     why_not: str = ""
     forced: bool = False
-    history: list = field(default_factory=list)
+    history: list[Attempt] = field(default_factory=list)
+    reported: int = 1
+    simulated: bool = False
+
+    @property
+    def attempts(self) -> int:
+        return len(self.history)
+
+    @property
+    def auxiliary(self) -> bool:
+        return self.claim_id in AUX_BY_ID
 
     def line(self) -> str:
         numbers = _numbers(self.measured, self.predicted, self.expect)
-        retried = f"，测了 {self.attempts} 次" if self.attempts > 1 else ""
+        if self.attempts > 1:
+            marks = "".join("✓" if a.holds else "✗" for a in self.history)
+            numbers += (f"；三次取二 {marks}：measured "
+                        + " / ".join(_fmt(a.measured) for a in self.history))
+        where = "模拟" if self.simulated else "本机"
         if self.holds:
-            return f"✓ 本机成立 [{self.claim_id}]：{self.what}（{numbers}{retried}）"
+            return f"✓ {where}成立 [{self.claim_id}]：{self.what}（{numbers}）"
         reason = "（强制为假：TINYSERVE_CLAIMS_FORCE_FALSE）" if self.forced else ""
         hint = f"\n    可能的原因与可以试的：{self.why_not}" if self.why_not else ""
-        return f"✗ 本机不成立 [{self.claim_id}]：{self.what}（{numbers}{retried}）{reason}{hint}"
+        return f"✗ {where}不成立 [{self.claim_id}]：{self.what}（{numbers}）{reason}{hint}"
 
     def _ipython_display_(self):
         """Shown as the last line of a cell: nothing more, ``check`` printed the verdict."""
@@ -254,7 +331,10 @@ class Verdict:
     def as_dict(self) -> dict:
         return {"claim": self.claim_id, "what": self.what, "holds": self.holds,
                 "measured": _jsonable(self.measured), "predicted": _jsonable(self.predicted),
-                "expect": self.expect, "attempts": self.attempts, "forced": self.forced}
+                "expect": self.expect, "forced": self.forced, "simulated": self.simulated,
+                "auxiliary": self.auxiliary, "reported": self.reported,
+                "history": [{"measured": _jsonable(a.measured), "predicted": _jsonable(a.predicted),
+                             "holds": a.holds} for a in self.history]}
 
 
 def _fmt(x) -> str:
@@ -303,141 +383,74 @@ RESULTS: list[Verdict] = []
 
 def check(claim_id: str, what: str, measured, *, expect: Expect, predicted=None,
           measure: Callable[[int], Any] | None = None, why_not: str = "",
-          retries: int = RETRIES, quiet: bool = False) -> Verdict:
-    """Check one claim; print its verdict; in strict mode raise ``ClaimFailed`` only
-    after ``retries`` more measurements all failed.
+          simulated: bool | None = None, quiet: bool = False) -> Verdict:
+    """Check one claim and print its verdict; in strict mode raise ``ClaimFailed`` if it fails.
 
-    ``measure(attempt)`` measures again (attempt = 1, 2, ...; use more repetitions
-    for larger attempts) and returns the new measured value, or a pair
-    ``(measured, predicted)`` when the prediction is re-measured too.
+    ``measured`` (and ``predicted``) is attempt 1. ``measure(attempt)``, for a timed claim
+    only, measures again (attempt = 2, 3) as much as attempt 1 did and returns the new
+    measured value, or a pair ``(measured, predicted)`` when the prediction is re-measured
+    too; strict mode then decides by two of three (the module doc). ``simulated``: the
+    numbers come from the simulator's clock, the same on every machine (default: the
+    registry says "simulated" and there is no ``measure``).
     """
-    chapter_claim(claim_id)
+    _checkable(claim_id)
     if not isinstance(expect, Expect):
         raise ValueError("expect: use claims.between / at_least / at_most / ratio_between / equals / is_true")
+    if simulated is None:
+        simulated = measure is None and claim_id in BY_ID and BY_ID[claim_id].how == "simulated"
     force = claim_id in forced_false()
-    holds = (not force) and expect(measured, predicted)
-    history = [(measured, predicted)]
-    attempts = 1
-    if not holds and not force and strict() and measure is not None:
-        for attempt in range(1, retries + 1):
-            again = measure(attempt)
-            measured, predicted = again if isinstance(again, tuple) and len(again) == 2 else (again, predicted)
-            history.append((measured, predicted))
-            attempts += 1
-            if expect(measured, predicted):
-                holds = True
-                break
-    verdict = Verdict(claim_id, what, holds, measured, predicted, expect.text, attempts,
-                      why_not, force, history)
+    history = [Attempt(measured, predicted, not force and expect(measured, predicted))]
+    if strict() and measure is not None and not force:
+        while NEEDED > sum(a.holds for a in history) and NEEDED > sum(not a.holds for a in history):
+            again = measure(len(history) + 1)
+            m, p = again if isinstance(again, tuple) and len(again) == 2 else (again, predicted)
+            history.append(Attempt(m, p, expect(m, p)))
+    holds = sum(a.holds for a in history) >= min(NEEDED, len(history))
+    reported = min(i for i, a in enumerate(history, 1) if a.holds == holds)
+    chosen = history[reported - 1]
+    verdict = Verdict(claim_id, what, holds, chosen.measured, chosen.predicted, expect.text,
+                      why_not, force, history, reported, simulated)
     RESULTS.append(verdict)
     if not quiet:
         print(verdict.line())
     if not holds and strict():
-        tried = "; ".join(f"measured {_fmt(m)}" + (f" vs {_fmt(p)}" if p is not None else "")
-                          for m, p in history)
+        tried = "; ".join(f"{'held' if a.holds else 'failed'}: measured {_fmt(a.measured)}"
+                          + (f" vs {_fmt(a.predicted)}" if a.predicted is not None else "") for a in history)
         raise ClaimFailed(f"{claim_id} does not hold: {what} ({tried}; accepted: {expect.text})"
                           + (f". Likely reason: {why_not}" if why_not else ""))
     return verdict
 
 
+def per_attempt(measure_once: Callable[[], Any]) -> Callable[[int], Any]:
+    """One run of an experiment per attempt, shared by the claims that read it.
+
+    ``again = per_attempt(rerun)`` gives ``again(attempt)``: the first claim that asks for
+    attempt 2 (or 3) runs ``rerun()``, every later claim reads that same run. Several claims
+    on one experiment then cost one re-run per attempt, and their attempt k is one
+    experiment. ``rerun`` measures afresh, as much as the first run did, and returns what
+    it measured instead of changing the notebook's state."""
+    runs: dict[int, Any] = {}
+
+    def again(attempt: int):
+        if attempt not in runs:
+            runs[attempt] = measure_once()
+        return runs[attempt]
+
+    return again
+
+
 def summary(results: list[Verdict] | None = None) -> str:
-    """The 本机验证 table of ``results`` (default: every check in this process)."""
+    """The 本机验证 table of ``results`` (default: every check in this process): the chapter's
+    claims measured here are counted apart from those on the simulator's clock and from the
+    auxiliary checks."""
     results = RESULTS if results is None else results
     lines = ["本机验证（这台机器上本篇的论断）", f"{'claim':<5} {'verdict':<4} {'measured':>14} {'predicted':>14}  what"]
     for v in results:
         lines.append(f"{v.claim_id:<5} {'✓' if v.holds else '✗':<4} {_fmt(v.measured)[:14]:>14} "
                      f"{_fmt(v.predicted)[:14] if v.predicted is not None else '-':>14}  {v.what}")
-    held = sum(v.holds for v in results)
-    lines.append(f"{held} of {len(results)} hold on this machine")
+    groups = (("模拟（各机相同）", [v for v in results if v.simulated and not v.auxiliary]),
+              ("辅助检查（不是本章的论断）", [v for v in results if v.auxiliary]))
+    here = [v for v in results if not v.simulated and not v.auxiliary]
+    lines.append(f"{sum(v.holds for v in here)} of {len(here)} hold on this machine")
+    lines += [f"{name}：{sum(v.holds for v in vs)} of {len(vs)} hold" for name, vs in groups if vs]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- make claims
-
-
-def run_chapter(only: set[str] | None = None) -> list[tuple[ChapterClaim, Verdict | None]]:
-    """A fast measurement of every chapter claim on this machine (``chapter_checks``);
-    a claim the book only states gets ``None``."""
-    from tinyserve.book import chapter_checks
-
-    rows = []
-    for c in CHAPTER:
-        if only and c.id not in only:
-            continue
-        if c.how == "stated":
-            print(f"— 书中陈述 [{c.id}]：{c.statement}（本机无法测量：{c.note}）")
-            rows.append((c, None))
-            continue
-        try:
-            rows.append((c, chapter_checks.CHECKS[c.id]()))
-        except ClaimFailed:             # strict mode: the verdict is recorded, go on to the next claim
-            rows.append((c, RESULTS[-1]))
-    return rows
-
-
-def chapter_table(rows) -> str:
-    lines = ["", "本章 24 个论断在这台机器上的结论", f"{'claim':<5} {'':<2} {'how':<10} statement"]
-    for c, v in rows:
-        mark = "—" if v is None else ("✓" if v.holds else "✗")
-        lines.append(f"{c.id:<5} {mark:<2} {c.how:<10} {c.statement}")
-    verdicts = [v for _, v in rows if v is not None]
-    lines.append(f"{sum(v.holds for v in verdicts)} of {len(verdicts)} measurable claims hold here; "
-                 f"{len(rows) - len(verdicts)} stated only")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    import argparse
-    import json
-    import platform
-    import time
-
-    from tinyserve.measure import this_machine
-
-    parser = argparse.ArgumentParser(prog="python -m tinyserve.book.claims",
-                                     description="Check every claim of the chapter on this machine.")
-    parser.add_argument("--json", metavar="PATH", default="claims.json",
-                        help="where to write the verdicts with the machine and versions (default claims.json)")
-    parser.add_argument("--only", default="", help="comma-separated claim ids, e.g. C02,C06")
-    parser.add_argument("--guide", metavar="PATH",
-                        help="rewrite the claims table of the instructor guide at PATH from the registry, then stop")
-    parser.add_argument("--strict", action="store_true",
-                        help="re-measure a failing claim, then exit 1 if any still fails")
-    args = parser.parse_args(argv)
-    if args.guide:
-        from pathlib import Path
-
-        guide = Path(args.guide)
-        guide.write_text(with_table(guide.read_text(encoding="utf-8"), guide_table(guide)), encoding="utf-8")
-        print(f"wrote the claims table into {guide}")
-        return 0
-    only = {s.strip() for s in args.only.split(",") if s.strip()} or None
-    for claim_id in only or ():
-        chapter_claim(claim_id)
-    if args.strict:
-        os.environ[STRICT_ENV] = "strict"
-    machine = this_machine()
-    print(machine)
-    started = time.perf_counter()
-    rows = run_chapter(only)
-    failed = [f"{v.claim_id} does not hold: {v.what} (measured {_fmt(v.measured)}; accepted: {v.expect})"
-              for _, v in rows if v is not None and not v.holds]
-    seconds = time.perf_counter() - started
-    print(chapter_table(rows))
-    print(f"checked in {seconds:.0f} s")
-    report = {"machine": machine.as_dict(), "python": platform.python_version(), "seconds": seconds,
-              "claims": [{"id": c.id, "section": c.section, "statement": c.statement, "how": c.how,
-                          "verdict": None if v is None else v.as_dict()} for c, v in rows],
-              "failed": failed}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(report, f, ensure_ascii=False, indent=1)
-    print(f"wrote {args.json}")
-    return 1 if args.strict and failed else 0
-
-
-if __name__ == "__main__":
-    # Run through the imported module, so that chapter_checks and this entry point share
-    # one ClaimFailed class and one RESULTS list (not this file's __main__ copy).
-    from tinyserve.book.claims import main as imported_main
-
-    raise SystemExit(imported_main())

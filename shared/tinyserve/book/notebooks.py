@@ -1,6 +1,7 @@
 """Execute notebooks in place and keep them clean for git.
 
     python -m tinyserve.book.notebooks execute PATH...   (notebooks or folders)
+    python -m tinyserve.book.notebooks runtimes --write  (run times in the docs from the record)
     python -m tinyserve.book.notebooks tags PATH...      (# NBVAL_* comments -> cell tags)
 
 Chapters are committed with their outputs, so a reader sees the figures
@@ -10,6 +11,9 @@ and drops what only adds noise to diffs: widget state and per-cell timings.
 nbval reads its per-cell options from a comment line (``# NBVAL_CHECK_OUTPUT``)
 or from a cell tag (``nbval-check-output``); the tag keeps test plumbing out of
 the code a reader sees, and ``tags`` turns the one into the other.
+
+``execute`` records each notebook's wall time and the machine (``tinyserve.book.runtimes``)
+and rewrites every run time the docs state from that record.
 """
 
 import argparse
@@ -19,6 +23,8 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+from tinyserve.book import runtimes
 
 KERNEL_NAME = "python3"
 CELL_TIMEOUT = 600  # seconds; notebooks aim for under a minute in total
@@ -136,6 +142,10 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="run notebooks in place, keep outputs")
     ex.add_argument("paths", nargs="+", metavar="PATH", help="notebook or folder")
+    rt = sub.add_parser("runtimes", help="the run times in the README and the notebooks, from the record")
+    mode = rt.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite them from the record")
+    mode.add_argument("--check", action="store_true", help="exit 1 if any differs from the record")
     tg = sub.add_parser("tags", help="turn # NBVAL_* comment lines into nbval's cell tags, in place")
     tg.add_argument("paths", nargs="+", metavar="PATH", help="notebook or folder")
     args = parser.parse_args(argv)
@@ -149,7 +159,19 @@ def main(argv=None):
                 print(f"{moved:3d} marker(s) -> tags  {path}")
         return 0
 
-    failed = []
+    if args.command == "runtimes":
+        if args.check:
+            problems = runtimes.stale()
+            for where in problems:
+                print(f"stale run time: {where} (python -m tinyserve.book.notebooks runtimes --write)")
+            return 1 if problems else 0
+        for where in runtimes.write():
+            print(f"rewrote the run times in {where}")
+        return 0
+
+    from tinyserve.measure import this_machine
+
+    failed, timed = [], {}
     for path in find_notebooks(args.paths):
         try:
             seconds = execute_notebook(path)
@@ -159,6 +181,11 @@ def main(argv=None):
             failed.append(path)
             continue
         print(f"{seconds:7.1f} s  {path}")
+        timed[path.stem] = round(seconds, 1)
+    if timed:
+        runtimes.record(timed, this_machine().as_dict())
+        for where in runtimes.write():
+            print(f"rewrote the run times in {where}")
     if failed:
         print(f"{len(failed)} notebook(s) failed and were left unchanged", file=sys.stderr)
         return 1
