@@ -165,7 +165,7 @@ def main(argv=None):
             for where in problems:
                 print(f"stale run time: {where} (python -m tinyserve.book.notebooks runtimes --write)")
             return 1 if problems else 0
-        for where in runtimes.write():
+        for where in runtimes.write(write):
             print(f"rewrote the run times in {where}")
         return 0
 
@@ -184,7 +184,7 @@ def main(argv=None):
         timed[path.stem] = round(seconds, 1)
     if timed:
         runtimes.record(timed, this_machine().as_dict())
-        for where in runtimes.write():
+        for where in runtimes.write(write):
             print(f"rewrote the run times in {where}")
     if failed:
         print(f"{len(failed)} notebook(s) failed and were left unchanged", file=sys.stderr)

@@ -157,10 +157,9 @@ def stale(data: dict | None = None) -> list[str]:
     return problems
 
 
-def write(data: dict | None = None) -> list[str]:
-    """Rewrite every doc's run times from the record; return what changed."""
-    from tinyserve.book.notebooks import write as write_notebook
-
+def write(write_notebook, data: dict | None = None) -> list[str]:
+    """Rewrite every doc's run times from the record, notebooks through ``write_notebook(nb,
+    path)`` (the executor's, so the file format is the executor's); return what changed."""
     data = data or load()
     changed = []
     text = README.read_text(encoding="utf-8")
