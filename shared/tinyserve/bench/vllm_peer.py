@@ -230,6 +230,8 @@ def print_report(report: dict, say=print) -> None:
     say(head)
     for r in report["rows"]:
         say(format_row(r))
+    if report.get("note"):
+        say(report["note"])
     if report.get("load_average"):
         say(f"load average (1, 5, 15 min) when the run started: {report['load_average']} on "
             f"{m.get('cores', '?')} cores; other programs slow both engines, and not equally")
