@@ -115,13 +115,17 @@ DOCS = {
 }
 
 
+# The V1 engine's gauges and counters, the same in 0.11 and 0.12.
+VLLM_V1_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+                  "kv_usage": "vllm:kv_cache_usage_perc"}
+VLLM_V1_COUNTERS = {"finished": "vllm:request_success", "prompt_tokens": "vllm:prompt_tokens",
+                    "generation_tokens": "vllm:generation_tokens",
+                    "prefix_queries": "vllm:prefix_cache_queries", "prefix_hits": "vllm:prefix_cache_hits",
+                    "preemptions": "vllm:num_preemptions"}
+
 VLLM = Engine(  # vllm/v1/metrics/loggers.py, the v0.12 names: a per-request TPOT histogram
     "vllm", {"model_name": MODEL, "engine": "0"},
-    gauges={"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-            "kv_usage": "vllm:kv_cache_usage_perc"},
-    counters={"finished": "vllm:request_success", "prompt_tokens": "vllm:prompt_tokens",
-              "generation_tokens": "vllm:generation_tokens", "prefix_queries": "vllm:prefix_cache_queries",
-              "prefix_hits": "vllm:prefix_cache_hits", "preemptions": "vllm:num_preemptions"},
+    gauges=VLLM_V1_GAUGES, counters=VLLM_V1_COUNTERS,
     histograms={"ttft": ("vllm:time_to_first_token_seconds", VLLM_TTFT),
                 "itl": ("vllm:inter_token_latency_seconds", VLLM_TOKEN),
                 "tpot": ("vllm:request_time_per_output_token_seconds", VLLM_TOKEN),
@@ -133,11 +137,7 @@ VLLM = Engine(  # vllm/v1/metrics/loggers.py, the v0.12 names: a per-request TPO
 VLLM_0_11 = Engine(  # the v0.11 line: inter_token_latency_seconds, and the same gaps under the old
     # name time_per_output_token_seconds (deprecated); no per-request TPOT histogram yet
     "vllm-0.11", {"model_name": MODEL, "engine": "0"},
-    gauges={"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-            "kv_usage": "vllm:kv_cache_usage_perc"},
-    counters={"finished": "vllm:request_success", "prompt_tokens": "vllm:prompt_tokens",
-              "generation_tokens": "vllm:generation_tokens", "prefix_queries": "vllm:prefix_cache_queries",
-              "prefix_hits": "vllm:prefix_cache_hits", "preemptions": "vllm:num_preemptions"},
+    gauges=VLLM_V1_GAUGES, counters=VLLM_V1_COUNTERS,
     histograms={"ttft": ("vllm:time_to_first_token_seconds", VLLM_TTFT),
                 "itl": ("vllm:inter_token_latency_seconds", VLLM_TOKEN),
                 "itl_deprecated": ("vllm:time_per_output_token_seconds", VLLM_TOKEN),
