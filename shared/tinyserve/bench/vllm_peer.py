@@ -34,8 +34,7 @@ from pathlib import Path
 
 from tinyserve.bench.peer import MIXED_NEW, PROMPT_LENS, Scenario
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
-from tinyserve.bench.vllm_setup import (REPO, VLLM_VERSION, server_command, vllm_env, vllm_python,
-                                        vllm_unavailable)
+from tinyserve.bench.vllm_setup import REPO, VLLM_VERSION, serve, vllm_env, vllm_python, vllm_unavailable
 
 VLLM_SCENARIOS = (Scenario("B=1", 1, 4), Scenario("B=32", 32, 32),
                   Scenario("B=32, mixed outputs", 32, 32, mixed_outputs=True))
@@ -137,13 +136,13 @@ def start_server(engine: str, model: Path, dtype: str, timeout: float = 900):
     from tinyserve.serving.processes import ServerProcess
     started = time.perf_counter()
     if engine.startswith("vLLM"):
-        server = ServerProcess(server_command(model, dtype, MAX_MODEL_LEN), program=[],
-                               env=vllm_env(engine == "vLLM tuned"))
+        server = serve(model, dtype, max_model_len=MAX_MODEL_LEN, tuned=engine == "vLLM tuned",
+                       timeout=timeout)
     else:
         server = ServerProcess(["serve", "--model", str(model), "--dtype", dtype,
                                 "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
-                                "--no-enforce-eager" if engine == "tinyserve packed" else "--enforce-eager"])
-    server.wait(timeout)
+                                "--no-enforce-eager" if engine == "tinyserve packed" else "--enforce-eager"]
+                               ).wait(timeout)
     server.start_s = time.perf_counter() - started
     return server
 
