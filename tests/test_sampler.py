@@ -55,11 +55,13 @@ def test_a_row_draws_the_same_whatever_shares_its_batch():
         assert alone == [together[row]]
 
 
-def test_generate_tokenizes_each_text_prompt_once():
+def test_generate_tokenizes_each_text_prompt_once(monkeypatch):
     llm = LLM("tiny", seed=0)
     calls = []
     encode = llm.tokenizer.encode
-    llm.tokenizer.encode = lambda text: calls.append(text) or encode(text)
+    # monkeypatch: the preset's tokenizer is one shared object, so the spy must not outlive the test.
+    monkeypatch.setattr(llm.tokenizer, "encode",
+                        lambda text, **kw: calls.append(text) or encode(text, **kw))
     prompts = ["你好，世界", "tokenize me once", "第三个"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=2))
     assert calls == prompts
