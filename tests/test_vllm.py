@@ -9,9 +9,7 @@ supports) with a byte-level tokenizer covering its whole vocabulary.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from tinyserve.serving.client import benchmark
 from tinyserve.serving.live_diagnose import diagnose_under_load, window_summary
 from tinyserve.serving.processes import ServerProcess
 from tinyserve.serving.scrape import Window, parse_metrics
-from tinyserve.workload import RequestSpec, make_workload
+from tinyserve.workload import make_workload
 
 REASON = vllm_setup.vllm_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"vLLM skipped: {REASON}")
