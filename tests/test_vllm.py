@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +26,6 @@ from tinyserve.workload import make_workload
 REASON = vllm_setup.vllm_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"vLLM skipped: {REASON}")
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPE, DTYPE = "small", "float32"
 TTFT_SLO, TPOT_SLO = 0.5, 0.05
 CPU_CROSSOVER = 16          # as tests/test_live_diagnose.py: past 16 on this CPU for `small`
