@@ -260,10 +260,11 @@ def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: 
     return rows
 
 
-def fastest_packed(stack: GemmStack, batch: int):
+def fastest_packed(stack: GemmStack, batch: int, pairs: int = 5):
     """``(path, step)``: the faster packed step at ``batch`` on this CPU, MKL's or oneDNN's
-    packed GEMM (two interleaved pairs decide), or ``("eager", eager step)`` where this
-    torch has neither."""
+    packed GEMM (the median of ``pairs`` interleaved pairs decides), or ``("eager", eager
+    step)`` where this torch has neither. Two pairs were too few: one slow moment of the
+    faster path on a 2-core AMD EPYC picked MKL's GEMM, no faster there than eager."""
     paths = [p for p in PACKED_PATHS if prepacked_linear(torch.zeros(1, 1), 1, p) is not None]
     if not paths:
         return "eager", stack.step_fn(batch)
@@ -271,7 +272,7 @@ def fastest_packed(stack: GemmStack, batch: int):
     with torch.inference_mode():
         for other_path in paths[1:]:
             other = stack.step_fn(batch, prepack=other_path)
-            if host.paired_ratio(packed, other, pairs=2).median > 1.0:
+            if host.paired_ratio(packed, other, pairs=pairs).median > 1.0:
                 path, packed = other_path, other
     return path, packed
 
