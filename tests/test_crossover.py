@@ -45,10 +45,13 @@ def test_gemm_stack_sweep_tiny():
         a * b for a, b in xo.layer_shapes(1024)) / 2**30 < 1.1
 
 
-def test_the_cpu_sweep_keeps_each_batch_sizes_best_round(monkeypatch):
+@pytest.mark.parametrize("prepack", [False, True])
+def test_the_cpu_sweep_keeps_each_batch_sizes_best_round(monkeypatch, prepack):
     """On a fake clock, the step at batch B takes B ms, plus 50 ms in the one round a burst
     of load hits it (a different round for each B). The sweep reports B ms for every B,
-    in the order given: the best of the rounds, not the first, the last or the mean."""
+    in the order given: the best of the rounds, not the first, the last or the mean, both
+    when the rounds go over all batch sizes and when each batch size (with its own packed
+    weights) is timed on its own."""
     clock, calls = [0.0], {}
     burst_at_call = {1: 2, 2: 3, 4: 4}               # call 1 is the warm-up; 8 is never hit
 
@@ -60,7 +63,8 @@ def test_the_cpu_sweep_keeps_each_batch_sizes_best_round(monkeypatch):
 
     monkeypatch.setattr(xo.GemmStack, "step_fn", step_fn)
     monkeypatch.setattr(xo.time, "perf_counter", lambda: clock[0])
-    times = xo.sweep_gemm_stack(xo.GemmStack(hidden=8, num_layers=1), [8, 1, 4, 2], repeats=3)
+    times = xo.sweep_gemm_stack(xo.GemmStack(hidden=8, num_layers=1), [8, 1, 4, 2], repeats=3,
+                                prepack=prepack)
     assert times == pytest.approx([8e-3, 1e-3, 4e-3, 2e-3], rel=1e-9)
     assert calls == {8: 4, 1: 4, 4: 4, 2: 4}         # one warm-up and three rounds each
 

@@ -234,7 +234,7 @@ def packed_vs_eager(stack: GemmStack, batch_sizes, pairs: int = 5, eager_up_to: 
     """CPU: at each batch size, the packed step against the eager one, interleaved.
 
     The packed step uses whichever packed GEMM is faster on this CPU at that batch
-    (MKL's or oneDNN's, two interleaved pairs decide); then, up to ``eager_up_to``,
+    (MKL's or oneDNN's; ``fastest_packed`` decides); then, up to ``eager_up_to``,
     eager and packed alternate for ``pairs`` pairs (``host.paired_ratio``), so a
     busy moment slows both. Past it only the packed step is timed (the median of
     ``pairs``): the large batches are there for the compute slope, and eager steps
