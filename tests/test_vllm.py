@@ -164,8 +164,10 @@ def wait_idle(url, timeout=120.0):
     """Until vLLM runs and queues nothing (an earlier test's hung-up backlog is aborted)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        held = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+-]+)$", scrape(url), re.M)
-        if held and not any(float(x) for x in held):
+        now = parse_metrics(scrape(url))
+        held = [value for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+                for _, value in now.series(name)]
+        if held and not any(held):
             return
         time.sleep(0.5)
     raise AssertionError(f"vLLM still busy after {timeout:g} s")

@@ -15,6 +15,7 @@ import functools
 import random
 
 from tinyserve.labs.hints import call, fail
+from tinyserve.tokenizer import utf8_lead_info
 
 __all__ = ["check_utf8_length", "check_pending_start", "check_stream_detokenizer"]
 
@@ -29,15 +30,8 @@ LAB04_TEXTS = (
 
 
 def _utf8_length_ref(b: int) -> int:
-    if b < 0x80:
-        return 1
-    if 0xC2 <= b <= 0xDF:
-        return 2
-    if 0xE0 <= b <= 0xEF:
-        return 3
-    if 0xF0 <= b <= 0xF4:
-        return 4
-    return 0
+    """The package detokenizer's answer: 1 for ASCII, else the lead byte's sequence length."""
+    return 1 if b < 0x80 else utf8_lead_info(b)[0]
 
 
 def _char_kind(need: int) -> tuple[str, str]:

@@ -223,9 +223,9 @@ def check_choose_replica(choose_replica):
     _check_no_mutation(choose_replica)
     _check_random(choose_replica)
     print("✓ 空树→最空闲、并列→下标小、失衡→最空闲、最长匹配、短匹配不算、key 只记进被选副本的树；"
-          "另有 400 个随机决定与 tinyserve 的路由器（CacheAware）一致\n"
+          "另有 400 个随机决定与 tinyserve 的路由规则（routing.cache_aware_choice）一致\n"
           "/ empty trees -> least loaded, ties -> smaller index, imbalance -> least loaded, longest match, "
-          "short matches ignored, key recorded in the chosen tree only; 400 random decisions match tinyserve's router (CacheAware)")
+          "short matches ignored, key recorded in the chosen tree only; 400 random decisions match tinyserve's routing rule (routing.cache_aware_choice)")
 
 
 def _check_recorded(key, got, mine, ref, contents, label):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import FuncFormatter
 
-from tinyserve.book.plots.common import ensure_axes, finish, plain_number, two_and_five, SMALL, TITLE
+from tinyserve.book.plots.common import ensure_axes, finish, plain_log_labels, SMALL, TITLE
 
 
 def plot_step_time_vs_batch(batch_sizes, measured_ms, predicted_ms=None, ax=None,
@@ -125,8 +124,7 @@ def plot_ttft_vs_arrival(series, ax=None, title="TTFT by arrival time"):
     for i, (label, (t, ttft)) in enumerate(series.items()):
         ax.plot(t, np.asarray(ttft) * 1e3, ".", color=f"C{i}", ms=3, label=label)
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FuncFormatter(plain_number))     # "600", not "6x10^2"
-    ax.yaxis.set_minor_formatter(FuncFormatter(two_and_five))
+    plain_log_labels(ax.yaxis)
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(title)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FuncFormatter
 
 DPI = 110
 SMALL, MEDIUM, TITLE = 8, 9, 10
@@ -64,3 +65,10 @@ def two_and_five(value, _=None) -> str:
     """Minor tick labels of a log axis that spans little: only the 2s and 5s of each decade."""
     mantissa = round(value / 10 ** np.floor(np.log10(value)))
     return f"{value:g}" if mantissa in (2, 5) else ""
+
+
+def plain_log_labels(axis) -> None:
+    """A log axis labelled "600", "20", "50", not "6x10^2": plain decades, and the 2s and 5s
+    between them (which matplotlib otherwise labels in scientific form when it spans little)."""
+    axis.set_major_formatter(FuncFormatter(plain_number))
+    axis.set_minor_formatter(FuncFormatter(two_and_five))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tinyserve.book.plots.common import ensure_axes, finish, SMALL
+from tinyserve.book.plots.common import ensure_axes, finish, plain_log_labels, SMALL
 
 
 WATERFALL_STAGES = ("tokenize", "queued", "prefill", "first token", "decode", "detokenize",
@@ -99,6 +99,7 @@ def itl_spikes(series, arrival_step=None, predicted=None, ax=None,
     ax.set_xlabel("decode step of the running requests")
     ax.set_ylabel("ITL (ms)")
     ax.set_yscale("log")
+    plain_log_labels(ax.yaxis)
     ax.set_title(title)
     ax.legend(fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the data
     return ax
@@ -142,6 +143,7 @@ def tokenizer_vs_engine(concurrency, engine_rates, tokenizer_rate, ax=None,
         ax.axhline(rate, color="black", ls=ls, lw=1.2, label=f"1 tokenizer thread: {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain_log_labels(ax.yaxis)
     finish(ax, title, xlabel="concurrent prompts in one step", ylabel="prompt tokens / s",
            grid="both", legend=None)
     ax.legend(fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)   # below the data
