@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinyserve.bench import peer
+from tinyserve.bench import peer, vllm_peer
 
 pytest.importorskip("transformers")
 
@@ -35,3 +35,21 @@ def test_a_mixed_workload_has_prompts_and_outputs_in_their_ranges():
     assert all(peer.MIXED_NEW[0] <= n <= peer.MIXED_NEW[1] for n in news) and len(set(news)) > 1
     assert all(10 <= t < 2048 for p in prompts for t in p)
     assert peer.Scenario("x", 4, 20).workload(vocab=2048)[1] == [peer.FIXED_NEW] * 20
+
+
+def test_the_shipped_vllm_run_names_its_machine_and_holds_only_what_make_peer_runs():
+    """Notebook 03 prints the stored `make peer` run to every reader, whatever machine they
+    are on: it must say where, when and under what load it was measured, and hold only the
+    engines, modes and workloads that `make peer` runs, with no failed request."""
+    report = vllm_peer.stored_report()
+    assert report["vllm"] and report["date"] and report["load_average"]
+    assert report["machine"]["cpu"] and report["machine"]["cores"] > 0
+    workloads = {s.name for s in vllm_peer.VLLM_SCENARIOS}
+    for row in report["rows"]:
+        assert (row["engine"], row["mode"], row["workload"]) in {
+            (e, m, w) for e in vllm_peer.ENGINES for m in ("offline", "server") for w in workloads}, row
+        assert row["errors"] == 0 and row["tok_per_s"] > 0, row
+        assert row["equal"] is None or 0 <= row["equal"] <= row["requests"], row
+    printed = []
+    vllm_peer.print_report(report, printed.append)
+    assert report["machine"]["cpu"] in printed[0] and len(printed) > len(report["rows"])
