@@ -21,7 +21,7 @@ from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
 from tinyserve.serving.client import benchmark
 from tinyserve.serving.live_diagnose import diagnose_under_load, window_summary
 from tinyserve.serving.processes import ServerProcess
-from tinyserve.serving.scrape import Window, parse_metrics
+from tinyserve.serving.scrape import Window, fetch_metrics, parse_metrics
 from tinyserve.workload import RequestSpec, make_workload
 
 REASON = vllm_setup.vllm_unavailable()
@@ -164,7 +164,7 @@ def wait_idle(url, timeout=120.0):
     """Until vLLM runs and queues nothing (an earlier test's hung-up backlog is aborted)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        now = parse_metrics(scrape(url))
+        now = fetch_metrics(url)
         held = [value for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
                 for _, value in now.series(name)]
         if held and not any(held):
