@@ -74,8 +74,12 @@ lab: $(STAMP)
 # One pytest run. --nbval-current-env runs notebooks with this venv's python,
 # whatever kernel a machine has installed globally. Claims are strict here: a timed
 # claim is decided by two of three attempts, anything else by its one result.
+# One worker per core (at most TEST_WORKERS), each pinned to its own cores
+# (tests/conftest.py); a notebook or a test file stays whole on one worker, in order.
+TEST_WORKERS ?= 4
 test: $(STAMP) $(BOOK_STAMP)
-	TINYSERVE_CLAIMS=strict $(PY) -m pytest tests/ --nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/
+	TINYSERVE_CLAIMS=strict $(PY) -m pytest -n auto --maxprocesses=$(TEST_WORKERS) --dist loadfile \
+		--nbval-lax --nbval-current-env --nbval-cell-timeout=600 chapters/ solutions/ tests/
 
 # The site from the committed notebooks (nothing is executed), warnings as errors.
 # View it: python -m http.server -d _build/html

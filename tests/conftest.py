@@ -1,6 +1,25 @@
 """Session-wide test setup."""
 
+import os
+
 # First of all: on a machine without a GPU, tinyserve.kernels sets TRITON_INTERPRET=1
 # before Triton is imported. transformers imports Triton too, and a Triton imported
 # first would ignore the variable (every kernel test would then fail on a CPU).
 import tinyserve.kernels  # noqa: F401
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs one worker per core), each worker keeps to
+    cores of its own, and so do the notebook kernels and servers it starts (they inherit
+    the affinity). Workers that shared cores would time each other: a torch op split over
+    threads waits for its slowest thread, and ``host.free_cores`` could count a core as
+    free just before the other worker takes it back."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    mine = cpus[int(worker.removeprefix("gw")) % len(cpus)::workers] or cpus
+    os.sched_setaffinity(0, mine)
+    import torch
+    torch.set_num_threads(len(mine))

@@ -154,24 +154,27 @@ def usable_cores() -> int:
 def free_cores(sample: float = 0.3) -> int:
     """The usable cores that other programs are not keeping busy right now (at least 1).
 
-    Over ``sample`` seconds, the busy time of this process's cores (``/proc/stat``) minus
-    this process's own CPU time says how many cores others use. A torch op split over
-    N threads waits for its slowest thread, so one thread sharing a core with a busy
-    program slows every op down, and a whole notebook with it. A virtual machine's steal time (the
-    host running someone else on our core) counts as busy: the core is not ours then.
+    A torch op split over N threads waits for its slowest thread, so one thread sharing
+    a core with a busy program slows every op down, and a whole notebook with it.
     Where ``/proc`` is missing, all usable cores.
     """
     if not (hasattr(os, "sched_getaffinity") and os.path.exists("/proc/stat")):
         return usable_cores()
+    return max(1, usable_cores() - round(cores_busy_with_others(sample)))
+
+
+def cores_busy_with_others(sample: float = 0.3) -> float:
+    """How many of this process's usable cores other programs kept busy over ``sample``
+    seconds (Linux): their busy time (``/proc/stat``) minus this process's own CPU time.
+    A virtual machine's steal time (the host running someone else on our core) counts as
+    busy: the core is not ours then."""
     cpus = os.sched_getaffinity(0)
-    cores = len(cpus)
     busy0, total0, own0 = *_cpu_jiffies(cpus), _own_jiffies()
     time.sleep(sample)
     busy1, total1, own1 = *_cpu_jiffies(cpus), _own_jiffies()
     if total1 <= total0:
-        return cores
-    others = max(0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * len(cpus)
-    return max(1, cores - round(others))
+        return 0.0
+    return max(0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * len(cpus)
 
 
 def _cpu_jiffies(cpus) -> tuple[int, int]:

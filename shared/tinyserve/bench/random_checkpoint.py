@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -59,10 +60,19 @@ def write_checkpoint(shape: str, dtype: str, path: Path, seed: int = 0) -> Path:
         return path
     config = model_config(shape)
     net = LlamaForServing.from_seed(config, seed).to(getattr(torch, dtype))
-    save_pretrained(net, path)
-    byte_level_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_position_embeddings}))
+    # Written beside, then renamed into place: a reader (another test worker, a server
+    # starting) sees the whole checkpoint or none.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, ignore_cleanup_errors=True) as tmp:
+        save_pretrained(net, tmp)
+        byte_level_tokenizer(config.vocab_size).save(str(Path(tmp) / "tokenizer.json"))
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_position_embeddings}))
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "tokenizer.json").exists():   # not another process's finished copy
+                raise
     return path
 
 
