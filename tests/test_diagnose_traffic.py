@@ -313,7 +313,7 @@ def run_cli(tmp_path, capsys, *extra):
 
 @pytest.mark.parametrize("content, message", [
     (b"", r"after.prom: empty; expected the Prometheus text"),
-    (gzip.compress(b"vllm:x 1\n"), r"after.prom: gzip-compressed"),
+    (gzip.compress(b"vllm:x 1\n", mtime=0), r"after.prom: gzip-compressed"),
     ("# HELP vllm:x caf\u00e9\nvllm:x 1\n".encode("latin-1"), r"after.prom: line 1, column 18: byte 0xe9 is not UTF-8"),
     (b"<html><head><title>502 Bad Gateway</title></head></html>\n", r"after.prom: an HTML page .*error page"),
     (b"# TYPE vllm:x gauge\nvllm:x 1\nthis is not a sample\n", r"after.prom: line 3: expected a sample"),
