@@ -74,7 +74,8 @@ lab: $(STAMP)
 # One pytest run. --nbval-current-env runs notebooks with this venv's python,
 # whatever kernel a machine has installed globally. Claims are strict here: a timed
 # claim is decided by two of three attempts, anything else by its one result.
-# One worker per core (at most TEST_WORKERS), each pinned to its own cores
+# One pytest-xdist worker per core that other programs leave free (at most TEST_WORKERS;
+# with one free core, one process and no workers), each pinned to its own cores
 # (tests/conftest.py); a notebook or a test file stays whole on one worker, in order.
 TEST_WORKERS ?= 4
 test: $(STAMP) $(BOOK_STAMP)

@@ -8,6 +8,20 @@ import os
 import tinyserve.kernels  # noqa: F401
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (``make test``): one worker per core that other programs leave free; with
+    one free core, no workers at all (one process, as without xdist). A worker keeps to its
+    own core, and one that a busy program shares would time that program too: beside a
+    spinning process on 2 cores, 05's and 01's timed claims failed that way."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0                  # workers could not keep to cores of their own (macOS, Windows)
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None               # the reader's own number: xdist reads it
+    from tinyserve.host import free_cores
+    free = free_cores(sample=1.0)
+    return free if free > 1 else 0
+
+
 def pytest_configure(config):
     """Under pytest-xdist (``make test`` runs one worker per core), each worker keeps to
     cores of its own, and so do the notebook kernels and servers it starts (they inherit
