@@ -15,7 +15,7 @@ RESULT_KEYS = {
     "crossover": {"benchmark", "device_spec", "curves", "fits"},
     "engine": {"step_times_s", "weight_bytes", "device_spec", "fit", "tokens_per_s"},
     "transformers": {"tinyserve_s", "transformers_s", "tinyserve_tok_per_s",
-                     "transformers_tok_per_s", "ratio", "first_token_match"},
+                     "transformers_tok_per_s", "ratio", "first_token_match", "all_tokens_match"},
 }
 
 
@@ -42,8 +42,19 @@ def test_fake_run_writes_every_part(tmp_path, capsys):
     engine = load(tmp_path, "engine")
     assert len(engine["results"]["step_times_s"]) == len(engine["config"]["batch_sizes"])
     assert engine["config"]["modes"] == ["eager"] and "enforce_eager" in engine["config"]
-    # Greedy on the same fp32 weights: tinyserve and transformers agree on the first token.
-    assert load(tmp_path, "transformers")["results"]["first_token_match"] == 1.0
+    # Greedy on the same fp32 weights, choosing among all 4096 ids (the default tokenizer
+    # has 2048): tinyserve and transformers give the same tokens.
+    assert load(tmp_path, "transformers")["results"]["all_tokens_match"] == 1.0
+    assert [r["part"] for r in ge.stored("engine", tmp_path)] == ["engine"]
+
+
+def test_the_shipped_records_are_a_real_gpu_run_of_every_part():
+    for part in ge.PARTS_ORDER:
+        records = ge.stored(part)
+        assert records, f"no stored {part} record in tinyserve/data/gpu"
+        for rec in records:
+            assert not rec["machine"]["fake"] and rec["device"] == "cuda"
+            assert rec["versions"]["cuda"] and RESULT_KEYS[part] <= set(rec["results"])
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
@@ -55,6 +66,7 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert ge.main(argv) == 1
     failed = load(tmp_path, "crossover")
     assert failed["status"] == "failed" and failed["error"] == "RuntimeError: boom"
+    assert ge.stored("crossover", tmp_path) == []           # the notebooks never show a failed part
     assert "boom" in failed["traceback"] and set(ge.RECORD_KEYS) <= set(failed)
     assert load(tmp_path, "engine")["status"] == "ok"
     out = capsys.readouterr().out

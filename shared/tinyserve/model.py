@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass(frozen=True)
@@ -341,10 +342,25 @@ class Attention(nn.Module):
         values = v_cache[table].reshape(-1, h_kv, d)[:ctx]
         query_pos = torch.arange(ctx - n, ctx, device=q.device)
         causal = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
-                                           values.transpose(0, 1), attn_mask=causal,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        o = attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                      attn_mask=causal, enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(0, 1)
+
+
+# cuDNN's attention builds an execution plan for every new shape, and a decode step's
+# context grows by one token per step: on a GPU it re-planned every layer of every step
+# (gpu_evidence's engine part on an H200: decode steps flat in the batch size, their time
+# almost all cuDNN's planning on the CPU, as torch.profiler showed). The other backends
+# have no such cost.
+GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention(q, k, v, **kwargs):
+    """``scaled_dot_product_attention``, never by cuDNN on a GPU."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(GPU_ATTENTION_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -366,9 +382,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_ctx: i
     keys = gather_kv(k_cache, tables)[:, :max_ctx].transpose(1, 2)    # [B, Hkv, S, D]
     values = gather_kv(v_cache, tables)[:, :max_ctx].transpose(1, 2)
     valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
-                                       attn_mask=valid[:, None, None, :],
-                                       enable_gqa=q.shape[1] != k_cache.shape[2])
+    o = attention(q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :],
+                  enable_gqa=q.shape[1] != k_cache.shape[2])
     return o[:, :, 0, :]
 
 

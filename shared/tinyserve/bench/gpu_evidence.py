@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from tinyserve.bench.peer import hf_model
+from tinyserve.bench.peer import hf_model, no_stop
 from tinyserve.model import ModelConfig
 
 PARTS_ORDER = ("kernels", "crossover", "engine", "transformers")
@@ -52,7 +52,9 @@ NO_CUDA = ("gpu-evidence: no CUDA device here; run it on a machine with a GPU "
 LLAMA_7B_CONFIG = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                               max_position_embeddings=4096)
-TINY_CONFIG = ModelConfig()    # vocab 2048: no smaller, or the default tokenizer does not fit
+# More ids than the default tokenizer has (2048), as a 7B model: the engine must sample
+# among all of them, as transformers does, for the --fake comparison to mean anything.
+TINY_CONFIG = ModelConfig(vocab_size=4096)
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
@@ -162,13 +164,17 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: str, seed: int
 
 
 def make_engine(net, env: Env, max_seqs: int, max_len: int, max_tokens: int):
+    """An engine that samples among all of the model's ids, as ``transformers`` does (the
+    default tokenizer has 2048, and the engine samples among its tokenizer's ids only)."""
+    from tinyserve.bench.random_checkpoint import byte_level_tokenizer
     from tinyserve.engine import LLMEngine
+    from tinyserve.hf_tokenizer import HFTokenizer
     from tinyserve.kv_cache import blocks_for
     from tinyserve.scheduler import SchedulerConfig
-    from tinyserve.tokenizer import load_default_tokenizer
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(256, max_tokens),
                             max_model_len=max_len)
-    return LLMEngine(net, load_default_tokenizer(), sched, max_seqs * blocks_for(max_len, 16),
+    tokenizer = HFTokenizer(byte_level_tokenizer(net.config.vocab_size))
+    return LLMEngine(net, tokenizer, sched, max_seqs * blocks_for(max_len, 16),
                      clock=env.clock, enable_prefix_caching=False)
 
 
@@ -245,12 +251,13 @@ def part_transformers(env: Env) -> tuple[dict, dict, str]:
         return [list(r.output_token_ids) for r in reqs]
 
     hf = hf_model(net, env.device)
+    no_stop(hf)
     x = torch.tensor(ps, device=env.device)
     mask = torch.ones_like(x)
 
     def theirs(n=new):
         with torch.inference_mode():
-            out = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+            out = hf.generate(input_ids=x, attention_mask=mask, max_new_tokens=n,
                               do_sample=False, pad_token_id=0)
         return out[:, prompt_len:].tolist()
 
@@ -258,10 +265,12 @@ def part_transformers(env: Env) -> tuple[dict, dict, str]:
     t_ours, tok_ours = timed(env, ours)
     t_hf, tok_hf = timed(env, theirs)
     first_match = sum(a[0] == b[0] for a, b in zip(tok_ours, tok_hf)) / batch
+    all_match = sum(a == b for a, b in zip(tok_ours, tok_hf)) / batch
     results = {"tinyserve_s": t_ours, "transformers_s": t_hf,
                "tinyserve_tok_per_s": batch * new / t_ours, "transformers_tok_per_s": batch * new / t_hf,
-               "ratio": t_hf / t_ours, "first_token_match": first_match}
-    head = f"tinyserve {results['ratio']:.2f}x transformers, first tokens match {first_match:.0%}"
+               "ratio": t_hf / t_ours, "first_token_match": first_match, "all_tokens_match": all_match}
+    head = (f"tinyserve {results['ratio']:.2f}x transformers, first tokens match {first_match:.0%}, "
+            f"all {new} tokens {all_match:.0%}")
     return cfg, results, head
 
 
@@ -287,6 +296,14 @@ def write(rec: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
     return path
+
+
+def stored(part: str, directory: Path | None = None) -> list[dict]:
+    """The records of ``part`` that ran to the end (``status`` ok) in ``tinyserve/data/gpu``
+    (or ``directory``), one per GPU, newest first: what the notebooks show without a GPU."""
+    paths = Path(directory or DEFAULT_OUT).glob(f"*/{part}.json")
+    records = [r for r in (json.loads(p.read_text()) for p in paths) if r["status"] == "ok"]
+    return sorted(records, key=lambda r: r["date"], reverse=True)
 
 
 def execute(part: str, env: Env) -> dict:
