@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinyserve.bench import peer, vllm_peer
+from tinyserve.bench import peer, vllm_peer, vllm_setup
 
 pytest.importorskip("transformers")
 
@@ -53,3 +53,19 @@ def test_the_shipped_vllm_run_names_its_machine_and_holds_only_what_make_peer_ru
     printed = []
     vllm_peer.print_report(report, printed.append)
     assert report["machine"]["cpu"] in printed[0] and len(printed) > len(report["rows"])
+
+
+def test_an_unfinished_make_vllm_is_not_taken_for_an_installed_vllm(tmp_path, monkeypatch):
+    # While `make vllm` runs (or after it was cut short) .venv-vllm has a python but no vLLM:
+    # every vLLM cell and test must skip with a line, not crash on `import vllm`.
+    if vllm_setup.platform_unsupported():
+        pytest.skip(vllm_setup.platform_unsupported())
+    monkeypatch.delenv("TINYSERVE_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(vllm_setup, "REPO", tmp_path)
+    assert "not installed" in vllm_setup.vllm_unavailable()
+    python = tmp_path / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    assert "has not finished" in vllm_setup.vllm_unavailable()
+    (tmp_path / ".venv-vllm" / ".installed").touch()          # make vllm's last step
+    assert vllm_setup.vllm_unavailable() is None
