@@ -71,20 +71,24 @@ lab: $(STAMP)
 		$(if $(HIDE_SOLUTIONS),$(foreach g,$(HIDDEN),--ContentsManager.hide_globs='$(g)')) \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(OPEN)
 
-# Two pytest runs; make test fails if either does. The tests: one pytest-xdist worker per
-# core that other programs leave free (at most TEST_WORKERS; none with one free core), each
-# pinned to its own cores (tests/conftest.py), a test file whole on one worker. Then the
-# notebooks (nbval), one after another in one process: their timed claims need the memory
-# bandwidth to themselves (beside a second worker, 01's C02 failed on an idle 2-core
-# machine). --nbval-current-env runs them with this venv's python, whatever kernel a machine
-# has installed globally. Claims are strict here: a timed claim is decided by two of three
-# attempts, anything else by its one result.
+# Two pytest runs; make test fails if either does. First the tests, the lab solutions and the
+# notebooks whose checks no other program can upset (SHARED_NOTEBOOKS: 06's are the simulator's
+# and one ratio of interleaved runs): one pytest-xdist worker per core that other programs
+# leave free (at most TEST_WORKERS; none with one free core), each pinned to its own cores
+# (tests/conftest.py), a file whole on one worker. Then the other notebooks, one after another
+# in one process: their timed claims need the memory bandwidth to themselves (beside a second
+# worker, 01's C02 failed on an idle 2-core machine). --nbval-current-env runs them with this
+# venv's python, whatever kernel a machine has installed globally. Claims are strict here: a
+# timed claim is decided by two of three attempts, anything else by its one result.
 TEST_WORKERS ?= 4
+NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+SHARED_NOTEBOOKS := solutions/ chapters/ch05_engine_and_scheduling/06_scheduling_policies.ipynb
+ALONE_NOTEBOOKS := $(filter-out $(SHARED_NOTEBOOKS),$(sort $(wildcard chapters/*/*.ipynb)))
 test: $(STAMP) $(BOOK_STAMP)
 	status=0; \
-	TINYSERVE_CLAIMS=strict $(PY) -m pytest -n auto --maxprocesses=$(TEST_WORKERS) --dist loadfile tests/ || status=1; \
-	TINYSERVE_CLAIMS=strict $(PY) -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
-		chapters/ solutions/ || status=1; \
+	TINYSERVE_CLAIMS=strict $(PY) -m pytest -n auto --maxprocesses=$(TEST_WORKERS) --dist loadfile $(NBVAL) \
+		tests/ $(SHARED_NOTEBOOKS) || status=1; \
+	TINYSERVE_CLAIMS=strict $(PY) -m pytest $(NBVAL) $(ALONE_NOTEBOOKS) || status=1; \
 	exit $$status
 
 # The site from the committed notebooks (nothing is executed), warnings as errors.
