@@ -207,11 +207,12 @@ def print_report(r: dict) -> None:
     m = r["machine"]
     print(f"\n{r['model']} on {m.get('cpu', '?')}: output tokens/s, greedy, prompts "
           f"{PROMPT_LENS[0]}-{PROMPT_LENS[1]} tokens")
-    print(f"{'workload':<22}{'engine':<40}{'tok/s':>8}{'vs generate':>13}{'tokens equal':>14}")
-    for sc in r["scenarios"]:
-        label = f"{sc['name']} ({sc['requests']} req)"
+    labels = [f"{sc['name']} ({sc['requests']} req)" for sc in r["scenarios"]]
+    width = max(map(len, labels + ["workload"])) + 2
+    print(f"{'workload':<{width}}{'engine':<40}{'tok/s':>8}{'vs generate':>13}{'tokens equal':>14}")
+    for sc, label in zip(r["scenarios"], labels):
         for row in sc["rows"]:
-            print(f"{label:<22}{row['engine']:<40}{row['tok_per_s']:>8.0f}{row['ratio']:>12.2f}x"
+            print(f"{label:<{width}}{row['engine']:<40}{row['tok_per_s']:>8.0f}{row['ratio']:>12.2f}x"
                   f"{row['equal']:>9}/{sc['requests']}")
             label = ""
 
