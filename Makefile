@@ -132,7 +132,7 @@ $(VLLM_STAMP): | $(STAMP)
 peer: $(STAMP)
 	$(PY) -m tinyserve.bench peer --engine vllm --out $(HOME)/.cache/tinyserve/peer/report.json
 
-# The vLLM tests alone (make test runs them too where .venv-vllm exists).
+# The vLLM tests alone (make test runs them too once make vllm has finished).
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests/test_vllm.py
 
