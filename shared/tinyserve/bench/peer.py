@@ -123,10 +123,10 @@ def hf_continuous(hf, prompts, news, batch: int) -> list[list[int]] | None:
                                            eos_token_id=-1, pad_token_id=0)
     kwargs = {}
     if hasattr(transformers, "ContinuousBatchingConfig"):
-        page = 256                                   # its default tokens per page
-        kwargs["continuous_batching_config"] = transformers.ContinuousBatchingConfig(
-            page_size=page, num_blocks=sum(-(-(len(p) + max(news)) // page) for p in prompts),
-            max_batch_tokens=BATCHED_TOKENS, max_requests_per_batch=batch)
+        cb = transformers.ContinuousBatchingConfig(max_batch_tokens=BATCHED_TOKENS,
+                                                   max_requests_per_batch=batch)
+        cb.num_blocks = sum(-(-(len(p) + max(news)) // cb.page_size) for p in prompts)
+        kwargs["continuous_batching_config"] = cb
     with torch.inference_mode():
         result = hf.generate_batch(prompts, generation_config=config, progress_bar=False, **kwargs)
     ordered = sorted(result.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
