@@ -21,7 +21,7 @@ TEACHER ?=
 HIDDEN := solutions __pycache__ *.pyc *.pyo .DS_Store *~
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lab test book book-check claims demo bench bench-gpu bench-sim gpu-evidence execute labs grade clean vllm peer test-vllm
+.PHONY: help venv install lab test book book-check claims demo bench bench-sim gpu-evidence execute labs grade clean vllm peer test-vllm
 
 help:
 	@echo "make lab      open the notebooks in JupyterLab (sets everything up first)"
@@ -31,7 +31,6 @@ help:
 	@echo "make claims   every claim of the chapter measured on this machine, one verdict table (+ claims.json)"
 	@echo "make demo     static vs continuous batching on cpu-bench, one table (python -m tinyserve.book.demo)"
 	@echo "make bench    fused vs unfused kernels on this machine, one table"
-	@echo "make bench-gpu  the same on a GPU, saved as JSON package data for the notebooks"
 	@echo "make gpu-evidence  every GPU number the book uses (<10 min on an H200), JSON in shared/tinyserve/data/gpu/"
 	@echo "make bench-sim  the simulator against the real engine on this CPU, and its speed"
 	@echo "make vllm     vLLM's CPU build in .venv-vllm (Linux x86_64; about 5 minutes, 3.5 GB)"
@@ -135,10 +134,6 @@ peer: $(STAMP)
 # The vLLM tests alone (make test runs them too once make vllm has finished).
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests/test_vllm.py
-
-# Run on a machine with a GPU; the notebooks show the stored file when there is none.
-bench-gpu: $(STAMP)
-	$(PY) -m tinyserve.bench kernels --out shared/tinyserve/data/bench_kernels_gpu.json
 
 # Run on a machine with a GPU: kernels, crossover, engine sweep, transformers ratio, each
 # part in its own process under a time limit. Exits 2 without CUDA.
