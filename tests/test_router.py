@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from tinyserve.bench.soak import hang_up_mid_stream
 from tinyserve.serving.client import iter_sse
+from tinyserve.serving.scrape import parse_metrics
 from tinyserve.serving.router import (RouterConfig, build_router_app, compare_policies_async,
                                       shared_prefix_runs)
 from tinyserve.routing import (ROUTING_POLICIES, CacheAware, LeastOutstanding, PrefixTree,
@@ -205,6 +206,11 @@ def test_router_streams_through_and_counts(replicas):
     for u in replicas:                                  # round robin: one each
         assert f'tinyserve_router:requests_routed_total{{replica="{u}"}} 1' in metrics
         assert f'tinyserve_router:requests_outstanding{{replica="{u}"}} 0' in metrics
+    # The scrape parser the book uses keeps the router's names as they are (they hold a ':', so
+    # no OpenMetrics escaping is undone in them).
+    scraped = parse_metrics(metrics, "router")
+    assert scraped.series("tinyserve_router:requests_routed_total") == [({"replica": u}, 1.0) for u in replicas]
+    assert scraped.series("tinyserve_router:request_retries_total") == [({}, 0.0)]
 
 
 def test_router_disconnect_reaches_the_replica(replicas):

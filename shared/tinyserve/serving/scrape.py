@@ -127,7 +127,11 @@ def check_lines(text: str, source: str) -> None:
 
 
 def engine_name(name: str) -> str:
-    """OpenMetrics (prometheus_client >= 0.22) escapes ``vllm:x`` as ``vllm_x``: read it back."""
+    """OpenMetrics (prometheus_client >= 0.22) escapes ``vllm:x`` as ``vllm_x``: read it back.
+    A name (or sample line) whose name already holds a ':' was not escaped
+    (``tinyserve_router:requests_routed_total`` stays as it is)."""
+    if ":" in re.match(r"[^{\s]*", name).group():
+        return name
     for prefix in PREFIXES:
         underscored = prefix[:-1] + "_"
         if name.startswith(underscored):
