@@ -69,3 +69,6 @@ def test_an_unfinished_make_vllm_is_not_taken_for_an_installed_vllm(tmp_path, mo
     assert "has not finished" in vllm_setup.vllm_unavailable()
     (tmp_path / ".venv-vllm" / ".installed").touch()          # make vllm's last step
     assert vllm_setup.vllm_unavailable() is None
+    # A python named by hand that is not there: the line names the variable, not make vllm.
+    monkeypatch.setenv("TINYSERVE_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    assert vllm_setup.vllm_unavailable() == f"TINYSERVE_VLLM_PYTHON={tmp_path / 'nowhere' / 'python'} does not exist"

@@ -46,8 +46,11 @@ def vllm_unavailable() -> str | None:
     reason = platform_unsupported()
     venv = vllm_python().parent.parent
     if reason is None and not vllm_python().exists():
-        reason = (f"vLLM is not installed here: `make vllm` puts its CPU build in {venv} "
-                  f"(about 5 minutes, 3.5 GB)")
+        if "TINYSERVE_VLLM_PYTHON" in os.environ:
+            reason = f"TINYSERVE_VLLM_PYTHON={os.environ['TINYSERVE_VLLM_PYTHON']} does not exist"
+        else:
+            reason = (f"vLLM is not installed here: `make vllm` puts its CPU build in {venv} "
+                      f"(about 5 minutes, 3.5 GB)")
     elif reason is None and "TINYSERVE_VLLM_PYTHON" not in os.environ and not (venv / ".installed").exists():
         # make vllm writes this stamp last: without it the install is under way or was cut short.
         reason = f"`make vllm` has not finished in {venv} (run it again to complete the install)"
