@@ -207,6 +207,18 @@ def test_paged_decode_attention_int64_tables_match_the_models_decode():
           torch.float32)
 
 
+def test_the_models_half_precision_decode_attends_in_fp32_on_a_cpu():
+    # torch's attention for one query row is several times slower in bf16 than in fp32 on a
+    # CPU, so the model upcasts there: its bf16 decode is the fp32 computation of the same
+    # bf16 inputs, rounded once at the end.
+    q, k_cache, v_cache, tables, lens, _ = paged_case(
+        torch.bfloat16, 3, 4, 2, 24, 16, [33, 7, 64], index_dtype=torch.int64)
+    q, k_cache, v_cache, tables, lens = (t.cpu() for t in (q, k_cache, v_cache, tables, lens))
+    out = decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()))
+    want = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, int(lens.max()))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
+
+
 @needs_triton
 @needs_cuda
 def test_bf16_on_gpu():
