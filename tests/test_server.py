@@ -12,9 +12,10 @@ from tinyserve import LLM, SamplingParams
 from tinyserve.bench.soak import hang_up_mid_stream
 from tinyserve.serving.client import iter_sse
 from tinyserve.serving.app import build_app
-from tinyserve.serving.processes import ServerProcess, parse_prometheus
+from tinyserve.serving.processes import ServerProcess
 from tinyserve.serving.errors import BadRequest
 from tinyserve.serving.request_parsing import parse_request, render_chat
+from tinyserve.serving.scrape import parse_metrics
 
 SERVE_ARGS = ["serve", "--model", "tiny", "--seed", "0", "--threads", "1", "--max-num-seqs", "32"]
 
@@ -205,12 +206,14 @@ def test_metrics_health_models(server):
     names = ["num_requests_waiting", "num_requests_running", "kv_cache_usage_perc",
              "prefix_cache_hit_rate", "request_success_total", "prompt_tokens_total",
              "generation_tokens_total"]
-    values = parse_prometheus(text)
+    scrape = parse_metrics(text)
     for name in names:
         assert f"# HELP tinyserve:{name} " in text
         assert f"# TYPE tinyserve:{name} " in text
-        assert f"tinyserve:{name}" in values
-    assert 0 <= values["tinyserve:kv_cache_usage_perc"] <= 1
+        assert scrape.series(f"tinyserve:{name}")
+    assert 0 <= scrape.total("tinyserve:kv_cache_usage_perc") <= 1
+    with pytest.raises(KeyError, match="has no tinyserve:no_such_metric"):
+        scrape.total("tinyserve:no_such_metric")
     assert health == {"status": "ok"}
     assert models["data"][0]["id"] == "tiny"
 

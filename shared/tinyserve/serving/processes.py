@@ -1,8 +1,7 @@
-"""Running servers as subprocesses (tests, notebooks, the router benchmark), and
-reading what a running server exports.
+"""Running servers as subprocesses (tests, notebooks, the router benchmark).
 
     with ServerProcess(["serve", "--model", "tiny"]).wait() as server:
-        values = parse_prometheus(urllib.request.urlopen(server.url + "/metrics").read().decode())
+        waiting = fetch_metrics(server.url).total("tinyserve:num_requests_waiting")
 
 ``ServerProcess`` runs ``python -m tinyserve <command>`` on a free loopback port;
 ``launch_servers`` starts several at once and waits until all are healthy.
@@ -128,13 +127,3 @@ def launch_servers(n: int, model: str = "tiny", extra_args: list[str] | None = N
         raise
     return procs
 
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """``{metric name: value}`` from Prometheus text (labels dropped; last sample wins)."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        out[name_labels.split("{", 1)[0]] = float(value)
-    return out

@@ -28,9 +28,10 @@ import aiohttp
 from aiohttp import web
 
 from tinyserve.serving.errors import BadRequest, error_event, error_response, json_errors, read_body
-from tinyserve.serving.processes import free_port, launch_servers, parse_prometheus, setup_logging
+from tinyserve.serving.processes import free_port, launch_servers, setup_logging
 from tinyserve.serving.request_parsing import decode_json, parse_messages, render_chat
 from tinyserve.serving.responses import SSE_DONE
+from tinyserve.serving.scrape import parse_metrics
 from tinyserve.routing import RoutingPolicy, make_routing_policy
 
 
@@ -424,9 +425,9 @@ async def _replica_counters(session, urls: list[str]) -> tuple[float, float]:
     queries = hits = 0.0
     for u in urls:
         async with session.get(u + "/metrics") as r:
-            values = parse_prometheus(await r.text())
-        queries += values["tinyserve:prefix_cache_queries_total"]
-        hits += values["tinyserve:prefix_cache_hits_total"]
+            scrape = parse_metrics(await r.text(), u + "/metrics")
+        queries += scrape.total("tinyserve:prefix_cache_queries_total")
+        hits += scrape.total("tinyserve:prefix_cache_hits_total")
     return queries, hits
 
 

@@ -77,6 +77,12 @@ class Scrape:
         return [(labels, value) for labels, value in self.samples.get(name, ())
                 if model is None or labels.get(MODEL_LABEL, model) == model]
 
+    def total(self, name: str) -> float:
+        """The sum of ``name`` over its series (``KeyError`` if the scrape has none)."""
+        if name not in self.samples:
+            raise KeyError(f"{self.source} has no {name}")
+        return sum(value for _, value in self.samples[name])
+
     def models(self) -> set:
         return {labels[MODEL_LABEL] for name, series in self.samples.items() if name.startswith(PREFIXES)
                 for labels, _ in series if MODEL_LABEL in labels}
