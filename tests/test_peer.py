@@ -53,6 +53,10 @@ def test_the_shipped_vllm_run_names_its_machine_and_holds_only_what_make_peer_ru
     printed = []
     vllm_peer.print_report(report, printed.append)
     assert report["machine"]["cpu"] in printed[0] and len(printed) > len(report["rows"])
+    # "equal" counts against the first engine run, whichever it was (eager was left out here).
+    printed = []
+    vllm_peer.print_report({**report, "reference": "tinyserve packed"}, printed.append)
+    assert "equal tinyserve packed's" in printed[0]
 
 
 def test_an_unfinished_make_vllm_is_not_taken_for_an_installed_vllm(tmp_path, monkeypatch):
