@@ -13,6 +13,11 @@ from tinyserve.sim import fidelity, simulate
 from tinyserve.sim.cost_model import ROOFLINE, VLLM_LIKE
 from tinyserve.workload import RequestSpec
 
+# Held out like the others, but at 32-512 concurrent requests of a 14B model: the bounds of
+# test_held_out_errors_stay_within_the_bounds were set on the sources of at most 48; where
+# vllm-like misses this one, and which terms are at fault, the tests at the end say.
+HIGH_CONCURRENCY = "notes-rtx-pro-6000-phi4"
+
 
 def test_no_source_is_on_both_sides_of_the_split():
     splits = fidelity.splits_by_source()
@@ -38,6 +43,25 @@ def test_a_seeded_benchmark_is_drawn_again_exactly():
     assert sum(s.prompt_len for s in specs) == 142_827
     assert all(100 <= s.prompt_len <= 1024 and 100 <= s.output_len <= 1024 for s in specs)
     assert all(s.arrival == 0.0 for s in specs)            # offline: one batch at t=0
+
+
+def test_a_source_that_printed_only_totals_borrows_a_recorded_shape():
+    # The RTX PRO 6000 notes print total tokens only: the lengths are the Lambda ShareGPT
+    # trace's, cycled to 1000 requests and scaled to the run's totals.
+    m = next(m for m in fidelity.measurements() if m["id"] == "rtxpro6000-phi4-sharegpt-c32")
+    specs = fidelity.workload(m)
+    assert len(specs) == 1000 and all(s.arrival == 0.0 for s in specs)
+    assert sum(s.prompt_len for s in specs) == pytest.approx(214_316, rel=0.005)
+    assert sum(s.output_len for s in specs) == pytest.approx(91_928, rel=0.005)
+    trace = next(t for t in fidelity.measurements() if t["id"] == "h100-mistral7b-sharegpt320-v0.5.4")
+    longest = max(range(320), key=trace["workload"]["input_lens"].__getitem__)
+    assert max(s.prompt_len for s in specs) == specs[longest].prompt_len == specs[longest + 320].prompt_len
+    # Run after the same prompts on the same server: simulated with their blocks cached.
+    assert m["workload"]["warm_prefix_cache"] and m["engine"]["enable_prefix_caching"]
+    hits = fidelity.predict(m, "roofline", extra=("prefix_cache_hit_rate",))["prefix_cache_hit_rate"]
+    first = next(r for r in fidelity.measurements() if r["id"] == "rtxpro6000-phi4-sharegpt-all-at-once")
+    assert hits > 0.3 and fidelity.predict(first, "roofline", extra=("prefix_cache_hit_rate",))[
+        "prefix_cache_hit_rate"] == 0
 
 
 def test_a_rate_gives_poisson_arrivals_at_that_rate():
@@ -80,7 +104,7 @@ def comparisons():
 
 
 def test_held_out_errors_stay_within_the_bounds(comparisons):
-    worst = fidelity.worst(comparisons, "vllm-like", "held-out")
+    worst = fidelity.worst([r for r in comparisons if r.source != HIGH_CONCURRENCY], "vllm-like", "held-out")
     # No held-out source prints a TPOT (the data file's sources say so): TPOT is bounded
     # where one appears.
     assert "throughput" in worst and "ttft" in worst
@@ -92,7 +116,8 @@ def test_held_out_errors_stay_within_the_bounds(comparisons):
              and r.id.startswith("rtx4090") and int(r.id.rsplit("c", 1)[1]) <= 16]
     assert light and all(fidelity.miss(r, "vllm-like") <= fidelity.BOUNDS["ttft"] for r in light)
     # Among the held-out points: two sources, preemption, and TTFT through an HTTP server.
-    held = [m for m in fidelity.measurements("held-out") if m.get("engine_generation") is None]
+    held = [m for m in fidelity.measurements("held-out") if m.get("engine_generation") is None
+            and m["source"] != HIGH_CONCURRENCY]
     assert len({m["source"] for m in held}) >= 2
     assert any(fidelity.predict(m, VLLM_LIKE, extra=("num_preemptions",))["num_preemptions"] > 0
                for m in held)
@@ -102,7 +127,7 @@ def test_held_out_errors_stay_within_the_bounds(comparisons):
 @pytest.mark.xfail(strict=True, reason="RTX 4090, C >= 32: vLLM's TTFT is 2.5-5.5x the simulated one; "
                    "the calibration sources do not show what the server spends there (issue 29 report)")
 def test_held_out_ttft_is_within_2x_at_every_concurrency(comparisons):
-    worst = fidelity.worst(comparisons, "vllm-like", "held-out")
+    worst = fidelity.worst([r for r in comparisons if r.source != HIGH_CONCURRENCY], "vllm-like", "held-out")
     assert fidelity.miss(worst["ttft"], "vllm-like") <= fidelity.BOUNDS["ttft"]
 
 
@@ -116,7 +141,10 @@ def test_the_roofline_is_far_too_fast_where_the_engine_calibration_is_not(compar
     speed = [r for r in v1 if fidelity.METRIC_KINDS[r.metric] == "throughput"]
     assert all(r.speed_error("roofline") > 0 for r in speed)
     ttft = [r for r in v1 if r.metric == "mean_ttft" and r.measured > 1.0]
-    assert ttft and all(r.error("roofline") < -0.5 for r in ttft)
+    assert ttft and all(r.error("roofline") < 0 for r in ttft)
+    # Far too short where the wait is the server's (500 small requests at once on an H100),
+    # not prefill compute (1000 ShareGPT prompts at once on a 14B model: -30%).
+    assert all(r.error("roofline") < -0.5 for r in ttft if r.source == "kvcached-h100")
 
 
 def test_the_worst_row_is_the_largest_miss():
@@ -155,3 +183,56 @@ def test_the_fidelity_report_simulates_each_point_once_per_cost_model(monkeypatc
     for m in few:
         predicted = fidelity.predict(m, "vllm-like", extra)
         assert report["running"][m["id"]] == {key: predicted[key] for key in extra}
+
+
+@pytest.mark.xfail(strict=True, reason="RTX PRO 6000, Phi-4 14B, C=64-512: vllm-like's TPOT is 1.3-1.8x vLLM's and "
+                   "its TTFT 2-5x, its throughput up to 16% low; the two terms at fault are tested below")
+def test_the_high_concurrency_sweep_is_within_the_bounds(comparisons):
+    rows = [r for r in comparisons if r.source == HIGH_CONCURRENCY]
+    assert len(rows) >= 25
+    for r in rows:
+        assert fidelity.miss(r, "vllm-like") <= fidelity.BOUNDS[fidelity.METRIC_KINDS[r.metric]], r
+
+
+def _sweep_point(concurrency, **changes):
+    """vllm-like's predicted / measured TTFT and TPOT on one RTX PRO 6000 point, and its hit rate."""
+    m = next(m for m in fidelity.measurements() if m["source"] == HIGH_CONCURRENCY
+             and m["workload"].get("max_concurrency") == concurrency)
+    specs = fidelity.workload(m)
+    kwargs = dict(cost_model=VLLM_LIKE, frontend_time=VLLM_LIKE.frontend_time,
+                  frontend_latency=VLLM_LIKE.frontend_latency, **fidelity.engine_knobs(m))
+    kwargs.update(changes)
+    result = simulate(specs, fidelity.hardware_of(m), fidelity.model_of(m), m["dtype"],
+                      max_concurrency=concurrency, warmup=specs, **kwargs)
+    s = result.summary()
+    return (s["mean_ttft"] / m["measured"]["mean_ttft"], s["mean_tpot"] / m["measured"]["mean_tpot"],
+            result.prefix_cache_hit_rate)
+
+
+def _blocks_for_every_prompt(concurrency):
+    """Twice vLLM's default cache (0.9 of 96 GiB less the weights): room for a whole run's
+    prompts and answers and the next run's."""
+    from tinyserve.sim.simulator import default_num_kv_blocks
+    m = next(m for m in fidelity.measurements() if m["source"] == HIGH_CONCURRENCY
+             and m["workload"].get("max_concurrency") == concurrency)
+    return 2 * default_num_kv_blocks(fidelity.hardware_of(m), fidelity.model_of(m), m["dtype"], 16)
+
+
+def test_the_high_concurrency_tpot_miss_is_the_prefix_cache_left_by_the_previous_run():
+    # The default cache about holds one run's prompts and answers: the next run evicts what
+    # it is about to need, and its misses are prefilled inside decode steps. A cache that
+    # keeps them all brings TPOT within the 20% bound.
+    _, tpot, hits = _sweep_point(128)
+    assert tpot > 1.2 and hits < 0.6
+    _, tpot, hits = _sweep_point(128, num_kv_blocks=_blocks_for_every_prompt(128))
+    assert abs(tpot - 1) < 0.2 and hits > 0.9
+
+
+def test_the_high_concurrency_ttft_miss_is_the_front_end():
+    # With every prompt cached, prefill no longer explains the wait: the front end fitted on
+    # the H100 source (10.6 ms of serial work per request) does, for a burst of 512 requests.
+    blocks = _blocks_for_every_prompt(512)
+    ttft, _, _ = _sweep_point(512, num_kv_blocks=blocks)
+    assert ttft > 3
+    ttft, _, _ = _sweep_point(512, num_kv_blocks=blocks, frontend_time=0.0, frontend_latency=0.0)
+    assert ttft < 1

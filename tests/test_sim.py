@@ -86,6 +86,22 @@ def test_prefix_groups_hit_the_prefix_cache():
     assert warm["mean_ttft"] < cold["mean_ttft"]
 
 
+def test_a_warm_up_run_leaves_its_prompts_in_the_prefix_cache_and_nothing_else():
+    # A benchmark run again on the server that just ran it: every full block of every
+    # prompt is found, and the result holds the second run only.
+    specs = [RequestSpec(0.05 * i, 2008, 8) for i in range(20)]      # 125 full blocks of 16 each
+    cold = simulate(specs, enable_prefix_caching=True)
+    warm = simulate(specs, enable_prefix_caching=True, warmup=specs, check_invariants=True)
+    assert cold.prefix_cache_hit_rate == 0                   # every prompt is its own
+    assert warm.prefix_cache_hit_rate == pytest.approx(2000 / 2008)
+    assert len(warm) == len(specs) and warm.unfinished == 0 and warm.num_preemptions == 0
+    prefill = lambda result: sum(st.num_prefill_tokens for st in result.steps)
+    assert prefill(cold) == 20 * 2008 and prefill(warm) == 20 * 8   # only the last partial block
+    assert warm.steps[0].start == pytest.approx(0.0) and warm.metrics[0].arrival_time == 0.0
+    assert warm.summary()["mean_ttft"] < cold.summary()["mean_ttft"]
+    assert simulate(specs, warmup=specs).prefix_cache_hit_rate == 0   # no caching: nothing kept
+
+
 def _short_and_long(result, specs):
     lengths = sorted(s.prompt_len for s in specs)
     short_cut, long_cut = percentile(lengths, 50), percentile(lengths, 95)

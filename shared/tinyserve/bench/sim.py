@@ -179,6 +179,10 @@ def setup_of(measurement: dict) -> str:
         lengths = f"{g['num_seqs']} x {g['input_range'][0]}-{g['input_range'][1]}->{g['output_range'][0]}-{g['output_range'][1]} tok"
     elif "input_lens" in w:
         lengths = f"{len(w['input_lens'])}-request trace"
+    elif "lengths_like" in w:
+        g = w["lengths_like"]
+        lengths = (f"{g['num_prompts']} x ~{g['input_tokens'] / g['num_prompts']:.0f}->"
+                   f"~{g['output_tokens'] / g['num_prompts']:.0f} tok, shaped like {g['measurement']}")
     else:
         out = w.get("output_len") or f"~{w['mean_output_len']}"
         lengths = f"{w['num_prompts']} x {w['input_len']}->{out} tok"
@@ -188,6 +192,8 @@ def setup_of(measurement: dict) -> str:
         load = f"{w['request_rate']:g} req/s"
     else:
         load = "all at t=0"
+    if w.get("warm_prefix_cache"):
+        load += " after a run of the same prompts"
     gpu = hardware_of(measurement).name.replace("GeForce-", "")
     return f"{gpu}, {model_of(measurement).name}, {lengths}, {load}, {measurement['client']}"
 
@@ -198,7 +204,7 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
     roofline and by ``cost_model``, with the simulated mean running batch; then the
     worst error of each kind on each split, against the bounds of ``fidelity.BOUNDS``."""
     from tinyserve.sim.cost_model import get_cost_model
-    from tinyserve.sim.fidelity import BOUNDS, compare, measurements, miss, worst
+    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, worst
 
     model = get_cost_model(cost_model)
     name = model.name
@@ -248,6 +254,15 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
         sources = sorted({by_id[r.id]["source"] for r in rows if r.split == "held-out"
                           and by_id[r.id].get("engine_generation") is None})
         print(f"  held-out sources (V1 era): {len(sources)}: {', '.join(sources)}")
+        for source in sources:
+            mine = [r for r in rows if by_id[r.id]["source"] == source]
+            cells = []
+            for c in ("roofline", name):
+                speed = [r.error(c) for r in mine if METRIC_KINDS[r.metric] == "throughput"]
+                ttft = [r.predicted[c] / r.measured for r in mine if METRIC_KINDS[r.metric] == "ttft"]
+                cells.append(f"{c}: throughput {100 * min(speed):+.0f}% to {100 * max(speed):+.0f}%"
+                             + (f", TTFT x{min(ttft):.2f} to x{max(ttft):.2f}" if ttft else ""))
+            print(f"    {source:<26}" + "   ".join(cells))
         for r in rows:
             if by_id[r.id].get("engine_generation"):
                 print(f"    engine {by_id[r.id]['engine_generation']} ({r.id}, not in the goal): {r.metric} "

@@ -1,11 +1,13 @@
 """The simulator against real engines: published vLLM measurements, replayed.
 
-``data/published_vllm.json`` holds measurements of vLLM serving 0.6B to 8B models
+``data/published_vllm.json`` holds measurements of vLLM serving 0.6B to 14B models
 on one GPU, each with its source, what the source states, the workload (lengths,
 concurrency or rate), how the requests came in (``"client"``: ``"http"`` through
 ``vllm serve``, or ``"offline"`` through ``LLM.generate``) and the scheduler knobs
 vLLM ran with. ``predict`` puts one through ``simulate`` with a cost model and
-returns the same metrics; ``compare`` does it for all of them, and ``fit``
+returns the same metrics (a source that had just run the same prompts on the same
+server, ``"warm_prefix_cache"``, is simulated after a first run of them that fills
+the prefix cache); ``compare`` does it for all of them, and ``fit``
 calibrates an ``EngineCostModel`` on the ``"calibration"`` points, so the
 ``"held-out"`` ones test it on measurements it never saw. The split is by
 source: no source has points on both sides (``splits_by_source`` checks it).
@@ -99,13 +101,17 @@ def workload(measurement: dict) -> list[RequestSpec]:
     times are not published).
 
     A recorded trace is replayed as is; seeded random lengths are drawn again
-    exactly (``seeded_lengths``); fixed lengths are repeated; outputs that
-    stopped early at EOS (only their mean is known) are spread evenly between
-    ``2 x mean - max`` and ``max``, so the mean is the source's and the requests
-    do not all finish in the same step.
+    exactly (``seeded_lengths``); a source that printed only its totals borrows
+    the shape of another measurement's recorded trace (``lengths_like``: cycled
+    to its number of prompts and scaled to its totals); fixed lengths are
+    repeated; outputs that stopped early at EOS (only their mean is known) are
+    spread evenly between ``2 x mean - max`` and ``max``, so the mean is the
+    source's and the requests do not all finish in the same step.
     """
     w = measurement["workload"]
-    if "seeded_lengths" in w:
+    if "lengths_like" in w:
+        inputs, outputs = lengths_like(**w["lengths_like"])
+    elif "seeded_lengths" in w:
         g = w["seeded_lengths"]
         inputs, outputs = python_random_lengths(g["seed"], g["num_seqs"], g["input_range"],
                                                 g["output_range"], g["token_id_max"])
@@ -123,6 +129,19 @@ def workload(measurement: dict) -> list[RequestSpec]:
     rate = w.get("request_rate", math.inf)
     arrivals = arrival_times(len(inputs), rate, 1.0, np.random.default_rng(w.get("arrival_seed", 0)))
     return [RequestSpec(float(t), n, o) for t, n, o in zip(arrivals, inputs, outputs)]
+
+
+def lengths_like(measurement: str, num_prompts: int, input_tokens: int,
+                 output_tokens: int) -> tuple[list[int], list[int]]:
+    """``measurement``'s recorded lengths, cycled to ``num_prompts`` and each list scaled
+    so that it sums to about the given totals (every length at least 1)."""
+    trace = next(m for m in measurements() if m["id"] == measurement)["workload"]
+    n = len(trace["input_lens"])
+
+    def scaled(lengths, total):
+        cycled = [max(1, lengths[i % n]) for i in range(num_prompts)]
+        return [max(1, round(x * total / sum(cycled))) for x in cycled]
+    return scaled(trace["input_lens"], input_tokens), scaled(trace["output_lens"], output_tokens)
 
 
 def splits_by_source(rows: Sequence[dict] | None = None) -> dict[str, str]:
@@ -149,9 +168,11 @@ def predict(measurement: dict, cost_model="roofline", extra: Sequence[str] = ())
     http = measurement["client"] == "http"
     frontend = {name: getattr(model, name, 0.0) if http else 0.0
                 for name in ("frontend_time", "frontend_latency")}
-    result = simulate(workload(measurement), hardware_of(measurement), model_of(measurement),
+    specs = workload(measurement)
+    warm = measurement["workload"].get("warm_prefix_cache", False)
+    result = simulate(specs, hardware_of(measurement), model_of(measurement),
                       measurement["dtype"], max_concurrency=measurement["workload"].get("max_concurrency"),
-                      cost_model=model, **frontend, **engine_knobs(measurement))
+                      cost_model=model, warmup=specs if warm else (), **frontend, **engine_knobs(measurement))
     summary = result.summary()
     return {metric: summary[metric] for metric in (*measurement["measured"], *extra)}
 

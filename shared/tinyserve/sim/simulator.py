@@ -230,6 +230,20 @@ class SimEngine:
         self.requests[request_id] = request
         return request
 
+    def warm_up(self, specs: Sequence[RequestSpec]) -> None:
+        """Serve ``specs`` (all at once) and forget them, all but what they left in the
+        prefix cache: a benchmark run a second time on a server that just ran it. The
+        clock, steps, requests and hit and preemption counts start over; request ids
+        (so token ids) are the ones the measured run gives the same specs."""
+        for index, spec in enumerate(specs):
+            self.add(spec, str(index), arrival=0.0)
+        self.drain()
+        self.steps.clear()
+        self.requests.clear()
+        self.virtual_clock.now = 0.0
+        self.block_manager.num_hit_tokens = self.block_manager.num_queried_tokens = 0
+        self.scheduler.num_preemptions = 0
+
     def step(self) -> list[Request]:
         """Run one step at the replica's clock; return the requests it finished."""
         return self.core.step().finished
@@ -269,7 +283,7 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
              model: ModelSpec | str = LLAMA_7B, dtype: str = "fp16", *,
              max_time: float | None = None, max_concurrency: int | None = None,
              frontend_time: float = 0.0, frontend_latency: float = 0.0,
-             **engine_kwargs) -> SimResult:
+             warmup: Sequence[RequestSpec] = (), **engine_kwargs) -> SimResult:
     """Serve ``requests`` on simulated ``hardware`` with the real scheduler.
 
     ``engine_kwargs`` are ``SimEngine``'s: the engine's knobs with the engine's
@@ -287,7 +301,9 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
     ``frontend_time``: seconds of serial API-server work per request before it
     reaches the engine, and ``frontend_latency`` seconds more on its way there
     that overlap across requests (see the module doc; 0, the default, is an
-    offline engine).
+    offline engine). ``warmup``: requests served first and left out of the result,
+    but not out of the prefix cache (``SimEngine.warm_up``), as when a benchmark
+    runs again on the server that just ran it.
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
@@ -298,6 +314,8 @@ def simulate(requests: Sequence[RequestSpec], hardware: HardwareSpec | str = "A1
     engine = SimEngine(hardware, model, dtype, **engine_kwargs)
     for index, spec in enumerate(requests):
         engine.check_fits(spec, str(index))
+    if warmup:
+        engine.warm_up(warmup)
     # The times at which a client slot frees up; an open loop has one per request.
     free_slots = [0.0] * (max_concurrency or len(requests))
     frontend_free = 0.0                  # when the API server's thread is next idle
