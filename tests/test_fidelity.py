@@ -64,6 +64,15 @@ def test_a_source_that_printed_only_totals_borrows_a_recorded_shape():
         "prefix_cache_hit_rate"] == 0
 
 
+def test_runs_the_simulator_cannot_price_are_listed_with_why():
+    # MoE, state-space and sliding-window models, FP4 weights: found, named, never fitted.
+    skipped = fidelity.published()["not_modelled"]
+    assert any("MoE" in e["why"] for e in skipped)
+    for e in skipped:
+        assert all(e[k] for k in ("where", "engine", "gpu", "model", "load", "why")), e
+    assert not any("Nemotron" in str(m["model"]) or "Scout" in str(m["model"]) for m in fidelity.measurements())
+
+
 def test_a_rate_gives_poisson_arrivals_at_that_rate():
     m = next(m for m in fidelity.measurements() if "request_rate" in m["workload"])
     arrivals = [s.arrival for s in fidelity.workload(m)]

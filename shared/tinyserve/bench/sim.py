@@ -204,7 +204,7 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
     roofline and by ``cost_model``, with the simulated mean running batch; then the
     worst error of each kind on each split, against the bounds of ``fidelity.BOUNDS``."""
     from tinyserve.sim.cost_model import get_cost_model
-    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, worst
+    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, published, worst
 
     model = get_cost_model(cost_model)
     name = model.name
@@ -263,6 +263,10 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
                 cells.append(f"{c}: throughput {100 * min(speed):+.0f}% to {100 * max(speed):+.0f}%"
                              + (f", TTFT x{min(ttft):.2f} to x{max(ttft):.2f}" if ttft else ""))
             print(f"    {source:<26}" + "   ".join(cells))
+        skipped = published()["not_modelled"]
+        print(f"  found but not simulated ({len(skipped)} sources, each with why):")
+        for entry in skipped:
+            print(f"    {entry['gpu']}, {entry['model']}, {entry['engine']}: {entry['why']}")
         for r in rows:
             if by_id[r.id].get("engine_generation"):
                 print(f"    engine {by_id[r.id]['engine_generation']} ({r.id}, not in the goal): {r.metric} "
