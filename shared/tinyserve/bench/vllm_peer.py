@@ -176,9 +176,9 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
         engines = tuple(e for e in engines if not e.startswith("vLLM"))
     import torch
     # tinyserve eager first: every other engine's tokens are compared with the first one's.
-    order = tuple(e for e in ("tinyserve eager",) + tuple(engines) if e in engines)
-    order = tuple(dict.fromkeys(order))
-    report = {"benchmark": "peer-vllm", "reference": order[0] if order else None, "vllm": VLLM_VERSION if not reason else None,
+    order = tuple(dict.fromkeys(e for e in ("tinyserve eager", *engines) if e in engines))
+    report = {"benchmark": "peer-vllm", "reference": order[0] if order else None,
+              "vllm": VLLM_VERSION if not reason else None,
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "machine": this_machine().as_dict(), "rows": [],
               # Other programs slow both engines, and not equally: the load is part of the result.
