@@ -203,28 +203,20 @@ def test_the_high_concurrency_sweep_is_within_the_bounds(comparisons):
         assert fidelity.miss(r, "vllm-like") <= fidelity.BOUNDS[fidelity.METRIC_KINDS[r.metric]], r
 
 
-def _sweep_point(concurrency, **changes):
-    """vllm-like's predicted / measured TTFT and TPOT on one RTX PRO 6000 point, and its hit rate."""
-    m = next(m for m in fidelity.measurements() if m["source"] == HIGH_CONCURRENCY
-             and m["workload"].get("max_concurrency") == concurrency)
-    specs = fidelity.workload(m)
-    kwargs = dict(cost_model=VLLM_LIKE, frontend_time=VLLM_LIKE.frontend_time,
-                  frontend_latency=VLLM_LIKE.frontend_latency, **fidelity.engine_knobs(m))
-    kwargs.update(changes)
-    result = simulate(specs, fidelity.hardware_of(m), fidelity.model_of(m), m["dtype"],
-                      max_concurrency=concurrency, warmup=specs, **kwargs)
-    s = result.summary()
-    return (s["mean_ttft"] / m["measured"]["mean_ttft"], s["mean_tpot"] / m["measured"]["mean_tpot"],
-            result.prefix_cache_hit_rate)
-
-
-def _blocks_for_every_prompt(concurrency):
-    """Twice vLLM's default cache (0.9 of 96 GiB less the weights): room for a whole run's
-    prompts and answers and the next run's."""
+def _sweep_point(concurrency, room_for_every_prompt=False, front_end=True):
+    """vllm-like's predicted / measured TTFT and TPOT on one RTX PRO 6000 point, and its hit
+    rate; optionally with twice vLLM's default cache (0.9 of 96 GiB less the weights: room
+    for a whole run's prompts and answers and the next run's), or with no front end."""
     from tinyserve.sim.simulator import default_num_kv_blocks
     m = next(m for m in fidelity.measurements() if m["source"] == HIGH_CONCURRENCY
              and m["workload"].get("max_concurrency") == concurrency)
-    return 2 * default_num_kv_blocks(fidelity.hardware_of(m), fidelity.model_of(m), m["dtype"], 16)
+    if room_for_every_prompt:
+        blocks = 2 * default_num_kv_blocks(fidelity.hardware_of(m), fidelity.model_of(m), m["dtype"], 16)
+        m = dict(m, engine={**m["engine"], "num_kv_blocks": blocks})
+    model = VLLM_LIKE if front_end else VLLM_LIKE.with_params(frontend_time=0.0, frontend_latency=0.0)
+    p = fidelity.predict(m, model, extra=("prefix_cache_hit_rate",))
+    return (p["mean_ttft"] / m["measured"]["mean_ttft"], p["mean_tpot"] / m["measured"]["mean_tpot"],
+            p["prefix_cache_hit_rate"])
 
 
 def test_the_high_concurrency_tpot_miss_is_the_prefix_cache_left_by_the_previous_run():
@@ -233,15 +225,14 @@ def test_the_high_concurrency_tpot_miss_is_the_prefix_cache_left_by_the_previous
     # keeps them all brings TPOT within the 20% bound.
     _, tpot, hits = _sweep_point(128)
     assert tpot > 1.2 and hits < 0.6
-    _, tpot, hits = _sweep_point(128, num_kv_blocks=_blocks_for_every_prompt(128))
+    _, tpot, hits = _sweep_point(128, room_for_every_prompt=True)
     assert abs(tpot - 1) < 0.2 and hits > 0.9
 
 
 def test_the_high_concurrency_ttft_miss_is_the_front_end():
     # With every prompt cached, prefill no longer explains the wait: the front end fitted on
     # the H100 source (10.6 ms of serial work per request) does, for a burst of 512 requests.
-    blocks = _blocks_for_every_prompt(512)
-    ttft, _, _ = _sweep_point(512, num_kv_blocks=blocks)
+    ttft, _, _ = _sweep_point(512, room_for_every_prompt=True)
     assert ttft > 3
-    ttft, _, _ = _sweep_point(512, num_kv_blocks=blocks, frontend_time=0.0, frontend_latency=0.0)
+    ttft, _, _ = _sweep_point(512, room_for_every_prompt=True, front_end=False)
     assert ttft < 1
