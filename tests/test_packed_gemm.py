@@ -104,9 +104,9 @@ def test_packing_replaces_the_weights_instead_of_copying_them(tied, tmp_path):
     assert linear_bytes_held(llm) == checkpoint
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])     # 1 and 2 are padded to MIN_ROWS inside
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_layers_compute_what_the_linear_layers_compute(bias):
-
+def test_packed_layers_compute_what_the_linear_layers_compute(bias, rows):
     config = dataclasses.replace(get_preset("tiny"), qkv_bias=bias, mlp_bias=bias, o_bias=bias)
     model = LlamaForServing.from_seed(config, seed=2)
     with torch.no_grad():
@@ -114,14 +114,26 @@ def test_packed_layers_compute_what_the_linear_layers_compute(bias):
             if name.endswith(".bias"):
                 p.normal_()
     layer, packed = model.model.layers[0], packed_gemm.PackedWeights(model).layers[0]
-    x = torch.randn(5, config.hidden_size)
+    x = torch.randn(rows, config.hidden_size)
     attn, mlp = layer.self_attn, layer.mlp
     for got, linear in zip(packed.project_qkv(x), (attn.q_proj, attn.k_proj, attn.v_proj)):
         torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
     for got, linear in zip(packed.project_gate_up(x), (mlp.gate_proj, mlp.up_proj)):
         torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
-    y = torch.randn(5, config.intermediate_size)
+    y = torch.randn(rows, config.intermediate_size)
     torch.testing.assert_close(packed.down_proj(y), mlp.down_proj(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_output_projection_computes_what_lm_head_computes(tied, rows):
+    # Untied: a packed copy; tied: oneDNN on the embedding table itself.
+    config = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=tied)
+    model = LlamaForServing.from_seed(config, seed=3)
+    weights = packed_gemm.PackedWeights(model)
+    assert (weights.head is None) == tied
+    x = torch.randn(rows, config.hidden_size)
+    torch.testing.assert_close(weights.lm_head(x), model.lm_head(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_dtype_is_packed_exactly_where_onednn_packs_it():
