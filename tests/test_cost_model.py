@@ -160,10 +160,9 @@ def test_the_published_measurements_say_where_they_come_from():
 def test_the_vllm_like_model_predicts_the_held_out_measurements():
     # The bounds of the goal, on points the fit never saw (tests/test_fidelity.py checks
     # every kind against fidelity.BOUNDS); the roofline misses them by far.
-    # (The RTX PRO 6000 sweep at 32-512 requests is held out too; tests/test_fidelity.py
-    # says where vllm-like misses it and why.)
-    rows = [m for m in fidelity.measurements("held-out") if m.get("engine_generation") is None
-            and m["source"] != "notes-rtx-pro-6000-phi4"]
+    # (The RTX PRO 6000 sweep at 32-512 requests is held out too, outside the goal;
+    # tests/test_fidelity.py says where vllm-like misses it and why.)
+    rows = [m for m in fidelity.measurements("held-out") if fidelity.in_goal(m)]
     assert len(rows) >= 3
     results = fidelity.compare(("roofline", "vllm-like"), rows)
     speed = [r for r in results if r.metric in fidelity.SPEED_METRICS]

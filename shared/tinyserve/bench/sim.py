@@ -237,8 +237,8 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
     summary = {split: {c: worst(rows, c, split) for c in ("roofline", name)}
                for split in ("calibration", "held-out")}
     if verbose:
-        print("  worst error on vLLM V1-era points (throughput and TPOT: |predicted / measured - 1|; "
-              "TTFT: the ratio, either way):")
+        print("  worst error on the points in the goal (vLLM V1 era; throughput and TPOT: "
+              "|predicted / measured - 1|; TTFT: the ratio, either way):")
         for split, by_model in summary.items():
             for kind, bound in BOUNDS.items():
                 cells = []
@@ -255,6 +255,8 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
                           and by_id[r.id].get("engine_generation") is None})
         print(f"  held-out sources (V1 era): {len(sources)}: {', '.join(sources)}")
         for source in sources:
+            if not published()["sources"][source].get("in_goal", True):
+                print(f"    {source} is not in the goal: {published()['sources'][source]['why_not_in_goal']}")
             mine = [r for r in rows if by_id[r.id]["source"] == source]
             cells = []
             for c in ("roofline", name):
