@@ -142,3 +142,19 @@ def test_plots_and_widget_smoke():
     data = data[0] if isinstance(data, tuple) else data
     assert data["text/plain"] == widgets.STATIC_TEXT           # not VBox(children=(...))
     plt.close("all")
+
+
+def test_the_start_up_probe_counts_its_own_memory_and_the_checkpoints_dtype(tmp_path):
+    # bench step's start-up probe runs in a process forked from the benchmark: its peak must
+    # be its own (getrusage's would include the 600 MiB held here), and a bf16 checkpoint is
+    # started in bf16, as the sweeps start it.
+    import torch
+    from tinyserve.bench import step
+    from tinyserve.bench.random_checkpoint import write_checkpoint
+    held = torch.ones(600 * 2**18)
+    path = write_checkpoint("tiny", "bfloat16", tmp_path / "tiny-bf16")
+    run = step.compile_cost(str(path), 4, str(tmp_path / "inductor"))["cold"]
+    assert run["peak_rss"] < held.numel() * held.element_size()
+    assert run["rss"] <= run["peak_rss"]
+    from tinyserve.model import get_preset
+    assert run["checkpoint_bytes"] == get_preset("tiny").num_parameters() * 2

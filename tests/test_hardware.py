@@ -14,7 +14,7 @@ from tinyserve.hardware import (
     decode_step_time, kv_bytes_per_token, per_request_compute_time, tokens_per_second,
     weight_bytes, weight_read_time,
 )
-from tinyserve import host, measure
+from tinyserve import host, measure, packed_gemm
 from tinyserve.measure import find_knee, fit_knee, measure_device
 from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
 from tinyserve.model import KVCache, LlamaForServing, ModelConfig, get_preset
@@ -157,6 +157,25 @@ def test_measure_device_divides_bytes_and_flops_by_the_time_and_keeps_the_fastes
     assert spec.flops == {"fp32": pytest.approx(2 * n**3 / fastest, rel=1e-12)}
     assert f"fp32 peak from {paths[-1]} (" in spec.source
     assert all(name in spec.source for name in paths)
+
+
+def test_measure_device_measures_the_dtypes_it_is_asked_for():
+    # bf16 through torch.matmul everywhere, and through oneDNN's packed GEMM where it packs bf16.
+    spec = measure_device("cpu", seconds=0.05, copy_mib=4, matmul_size=128, dtypes=("fp32", "bf16"))
+    assert set(spec.flops) == {"fp32", "bf16"} and all(f > 0 for f in spec.flops.values())
+    bf16 = spec.source.split("bf16 peak from ", 1)[1]
+    assert ("onednn packed" in bf16) == packed_gemm.packs(torch.bfloat16)
+    assert "mkl packed" not in bf16                          # MKL packs fp32 only
+
+
+@pytest.mark.skipif(not packed_gemm.packs(torch.bfloat16), reason="oneDNN packs no bf16 on this CPU")
+def test_a_bf16_weight_packed_for_onednn_multiplies_like_a_linear_layer():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    layer = prepacked_linear(weight, 3, "onednn")
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight), rtol=2e-2, atol=2e-2)
+    assert prepacked_linear(weight, 3, "mkl") is None
 
 
 def test_measure_device_on_this_cpu_times_every_matmul_path():

@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -99,12 +100,13 @@ def this_machine(copy_mib: int = 256) -> Machine:
 
 
 def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = None,
-                   matmul_size: int | None = None) -> HardwareSpec:
+                   matmul_size: int | None = None, dtypes: Sequence[str] | None = None) -> HardwareSpec:
     """Measure this machine's memory bandwidth and matmul peak; return a ``HardwareSpec``.
 
     Bandwidth: a large ``dst.copy_(src)`` moves ``2 x size`` bytes (read and
-    write). Peak: an ``n x n`` matmul does ``2 n^3`` FLOPs, in fp32 on a CPU and
-    in fp16 and bf16 on a GPU (only measured dtypes appear in ``flops``). On a CPU
+    write). Peak: an ``n x n`` matmul does ``2 n^3`` FLOPs, in ``dtypes``: by default
+    fp32 on a CPU and fp16 and bf16 on a GPU (only measured dtypes appear in
+    ``flops``; the matmul budget is shared among them). On a CPU
     the peak is the fastest of ``torch.matmul`` and the packed GEMMs that the
     crossover sweeps and ``enforce_eager=False`` run (``packed_gemm.prepacked_linear``):
     on some CPUs a packed GEMM outruns the default path by a wide margin, and a
@@ -125,7 +127,7 @@ def measure_device(device=None, seconds: float = 1.0, copy_mib: int | None = Non
     sync, timed = _gpu_clock(dev) if on_gpu else _cpu_clock()
 
     bandwidth = _copy_bandwidth(dev, copy_mib, sync, timed, budget)
-    dtypes = ("fp16", "bf16") if on_gpu else ("fp32",)
+    dtypes = tuple(dtypes or (("fp16", "bf16") if on_gpu else ("fp32",)))
     rates = {dtype: _matmul_flops(dev, dtype, n, sync, timed, budget / len(dtypes))
              for dtype in dtypes}
     flops = {dtype: max(by_path.values()) for dtype, by_path in rates.items()}

@@ -143,8 +143,10 @@ class MergedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows = x.shape[0]
-        if rows < MIN_ROWS:
-            x = torch.nn.functional.pad(x, (0, 0, 0, MIN_ROWS - rows))
+        if rows < MIN_ROWS:         # the extra rows' values are never read back: no zero fill
+            padded = x.new_empty(MIN_ROWS, x.shape[1])
+            padded[:rows] = x
+            x = padded
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
         return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
 
@@ -322,14 +324,17 @@ def prepacked_linear(weight: torch.Tensor, batch: int, path: str = "mkl"):
     The weight ``[out, in]`` is packed once (a copy about its own size) for that
     batch; a plain ``F.linear`` re-packs it on every call, which is why eager small
     batches sit above the weight-read floor. Returns None where this torch lacks the
-    path (ARM, some builds) or the weight is not fp32 on a CPU: use ``F.linear``."""
+    path (ARM, some builds) or the weight is not on a CPU in a dtype the path packs
+    (MKL: fp32; oneDNN: ``packs``): use ``F.linear``."""
     if path not in PACKED_PATHS:
         raise ValueError(f"path: {path!r} is not one of {PACKED_PATHS}")
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type != "cpu":
         return None
     weight = weight.contiguous()
     if path == "onednn":
-        return onednn_linear(weight, None, batch) if onednn_available() else None
+        return onednn_linear(weight, None, batch) if packs(weight.dtype) else None
+    if weight.dtype != torch.float32:
+        return None
     mkl = getattr(torch.ops, "mkl", None)
     if not torch.backends.mkl.is_available() or not hasattr(mkl, "_mkl_linear"):
         return None

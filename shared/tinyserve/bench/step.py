@@ -31,7 +31,8 @@ from tinyserve.bench.crossover import knee_report, machine_info, predicted_cross
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-# A fresh interpreter starting an engine: what a notebook pays, in seconds and memory.
+# A fresh interpreter starting an engine: what a notebook pays, in seconds and memory. The
+# checkpoint's own dtype, as the sweeps load it (sweep_engine's dtype="auto").
 PROBE = """\
 import json, resource, time
 started = time.perf_counter()
@@ -39,9 +40,14 @@ import torch, tinyserve.engine
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+def peak_rss():
+    # VmHWM: this interpreter's own high-water mark. getrusage's ru_maxrss would also count
+    # the benchmark process this one was forked from (Linux keeps it across exec).
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 baseline = rss()
 from tinyserve import LLM
-llm = LLM({model!r}, max_num_seqs={top}, max_model_len=16, enforce_eager={eager!r})
+llm = LLM({model!r}, dtype="auto", max_num_seqs={top}, max_model_len=16, enforce_eager={eager!r})
 path = llm.engine.executor.decode_path
 checkpoint = sum({{id(p): p.numel() * p.element_size() for p in llm.model.parameters()}}.values())
 print(json.dumps({{"start_s": time.perf_counter() - started,
@@ -49,7 +55,7 @@ print(json.dumps({{"start_s": time.perf_counter() - started,
                    "warm_up_s": path.warm_up_seconds if path else None,
                    "path": path.describe() if path else None,
                    "baseline_rss": baseline, "rss": rss(),
-                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "peak_rss": peak_rss(),
                    "checkpoint_bytes": checkpoint,
                    "kv_bytes": llm.engine.executor.kv_cache.nbytes}}))
 """
@@ -76,14 +82,16 @@ def run(model: str = "cpu-bench", batch_sizes=BATCH_SIZES, steps: int = 5,
         measure_compile: bool = True, verbose: bool = True) -> dict:
     say = print if verbose else (lambda *a, **k: None)
     batch_sizes = list(batch_sizes)
-    hw = measure.measure_device("cpu")
+    # Both dtypes a CPU checkpoint comes in: the model's own sets the floor and the knee.
+    hw = measure.measure_device("cpu", dtypes=("fp32", "bf16"))
     read = measure.read_bandwidth("cpu")
     best = max(read, hw.memory_bandwidth)
     say(f"read bandwidth: sum {read / 1e9:.1f} GB/s, copy (read + write) "
-        f"{hw.memory_bandwidth / 1e9:.1f} GB/s; fp32 matmul {hw.flops['fp32'] / 1e9:.0f} GFLOP/s")
+        f"{hw.memory_bandwidth / 1e9:.1f} GB/s; matmul "
+        + ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in hw.flops.items()))
     report = {"benchmark": "step", "machine": machine_info("cpu"), "model": model,
               "read_bandwidth": read, "copy_bandwidth": hw.memory_bandwidth,
-              "best_bandwidth": best, "matmul_flops": hw.flops["fp32"], "batch_sizes": batch_sizes}
+              "best_bandwidth": best, "batch_sizes": batch_sizes}
     with tempfile.TemporaryDirectory(prefix="tinyserve-inductor-") as cache:
         if measure_compile:
             say("compiling in two fresh processes (cold, then warm) ...")
@@ -102,6 +110,7 @@ def run(model: str = "cpu-bench", batch_sizes=BATCH_SIZES, steps: int = 5,
     floor = info["weight_bytes"] / best
     on_best = replace(hw, memory_bandwidth=best)
     report["floor_s"] = floor
+    report["matmul_flops"] = hw.peak_flops(info["dtype"])      # the model's dtype
     report["predicted_crossover"] = predicted_crossover(on_best, info["dtype"])
     report["fits"] = {"eager": knee_report(batch_sizes, report["eager"], on_best, info["dtype"],
                                            info["weight_bytes"], min_batch=2),
@@ -129,7 +138,7 @@ def print_report(r: dict) -> None:
               f"(knee / ratio = {f['knee_over_predicted']:.2f})")
     if r["tail_flops"]:
         print(f"past the knee each request adds {r['fits']['compiled']['fit_slope_s'] * 1e3:.2f} ms: "
-              f"{r['tail_flops'] / 1e9:.0f} GFLOP/s against a measured matmul peak of "
+              f"{r['tail_flops'] / 1e9:.0f} GFLOP/s against a measured {r['dtype']} matmul peak of "
               f"{r['matmul_flops'] / 1e9:.0f} GFLOP/s ({r['tail_flops'] / r['matmul_flops']:.0%})")
     for b, tpot in r["compiled_tpot_s"].items():
         step_s = r["compiled"][r["batch_sizes"].index(b)]
