@@ -37,8 +37,8 @@ def test_packed_greedy_tokens_equal_eager_under_batching_chunking_caching_preemp
 
 
 class FakeClock:
-    """``time.perf_counter`` for the start-up timing: a forward takes 1 ms, or 10 ms on
-    the side made slow (the eager forward, with no packed weights, or the packed one)."""
+    """``time.perf_counter`` for the start-up timing: a decoder layer takes 1 ms, or 10 ms
+    on the side made slow (eager, with no packed layer, or packed)."""
 
     def __init__(self, slow: str):
         self.now, self.slow = 0.0, slow
@@ -47,7 +47,8 @@ class FakeClock:
         return self.now
 
     def hook(self, module, args, kwargs):
-        self.now += 0.010 if (kwargs.get("packed") is None) == (self.slow == "eager") else 0.001
+        packed = args[7] if len(args) > 7 else kwargs.get("packed")
+        self.now += 0.010 if (packed is None) == (self.slow == "eager") else 0.001
 
 
 @pytest.mark.parametrize("slow, kept", [("eager", True), ("packed", False)])
@@ -57,12 +58,13 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
     bucket chooses eager and packing is dropped (dense weights, nothing packed)."""
     model = LlamaForServing.from_seed(get_preset("tiny"))
     clock = FakeClock(slow)
-    handle = model.register_forward_pre_hook(clock.hook, with_kwargs=True)
+    handles = [layer.register_forward_pre_hook(clock.hook, with_kwargs=True) for layer in model.model.layers]
     monkeypatch.setattr(time, "perf_counter", clock)
     executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
                              capture_sizes=(1, 2, 4))
     monkeypatch.undo()
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     path = executor.packed
     want = "packed" if kept else "eager"
     assert path.choices == {1: want, 2: want, 4: want}
@@ -71,6 +73,25 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
     dense = {n: p.device.type for n, p in model.named_parameters()}
     assert all(d == "cpu" for d in dense.values()) == (not kept)
     assert (("kept" if kept else "dropped") in path.describe())
+
+
+def test_choosing_times_a_packed_copy_of_the_first_layers_only(monkeypatch):
+    # The whole model is never held dense and packed at once: while the buckets are timed,
+    # only the layers whose weights make twice the last-level cache have a packed copy.
+    model = LlamaForServing.from_seed(dataclasses.replace(get_preset("tiny"), num_hidden_layers=5))
+    layers = model.config.num_hidden_layers
+    per_layer = packed_gemm.weight_bytes(model) / layers
+    monkeypatch.setattr(packed_gemm, "l3_cache_bytes", lambda: int(per_layer * 0.75))   # 2 layers
+    made, seen = [], []
+    real_init, real_ratio = packed_gemm.PackedLayer.__init__, packed_gemm.paired_ratio
+    monkeypatch.setattr(packed_gemm.PackedLayer, "__init__",
+                        lambda self, layer, *a: made.append(layer) or real_init(self, layer, *a))
+    monkeypatch.setattr(packed_gemm, "paired_ratio",
+                        lambda *a, **k: seen.append(len(made)) or real_ratio(*a, **k))
+    executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
+                             capture_sizes=(1, 2))
+    assert seen == [2, 2] and executor.packed.layers_timed == 2
+    assert f"first 2 of {layers} layers" in executor.packed.describe()
 
 
 def linear_bytes_held(llm) -> int:

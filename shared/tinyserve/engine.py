@@ -340,8 +340,8 @@ class LLM:
 def default_enforce_eager(model: LlamaForServing) -> bool | None:
     """``enforce_eager=None``: a faster path where it pays and costs little at start.
     On a CPU whose oneDNN packs the weights' dtype (``packed_gemm.packs``) and weights
-    larger than its last-level cache: None, pack them (about a second) and keep them
-    packed only if a timed decode step of some bucket found that faster. Weights that
+    larger than its last-level cache: None, pack them (about a second) only if the first
+    layers of a decode step, timed both ways at start, ran faster packed in some bucket. Weights that
     stay in the cache are not read from memory each step, and packing rarely beats
     eager there. On a GPU, compiled CUDA graphs cost a compile per bucket at every
     start and have not been measured on hardware yet: eager there, as for dtypes this

@@ -142,24 +142,54 @@ class AttentionMetadata:
     padded: bool = False
 
 
+def _scratch_metadata(kv_cache: "KVCache", size: int, scratch_slot: int, context: int,
+                      dev) -> "AttentionMetadata":
+    """``size`` decode rows that each attend over ``context`` tokens and all write to
+    ``scratch_slot`` (every block of their tables is the scratch block)."""
+    scratch_block = scratch_slot // kv_cache.block_size
+    width = -(-context // kv_cache.block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.full((size,), scratch_slot, device=dev), query_lens=[1] * size,
+        context_lens=[context] * size,
+        block_tables=torch.full((size, width), scratch_block, device=dev),
+        num_decodes=size, decode_context_lens=torch.full((size,), context, device=dev))
+
+
 def scratch_decode(model: "LlamaForServing", kv_cache: "KVCache", size: int, scratch_slot: int,
                    context: int = 1, **forward_options):
     """A call running the engine's eager decode path (unpadded metadata, every row
     sampled) on ``size`` rows that each attend over ``context`` tokens and all write to
     ``scratch_slot``: a step to time a faster path against, at start, without touching
-    any request's blocks (every block of the rows' tables is the scratch block)."""
+    any request's blocks."""
     dev = next(model.parameters()).device
-    scratch_block = scratch_slot // kv_cache.block_size
-    width = -(-context // kv_cache.block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((size,), scratch_slot, device=dev), query_lens=[1] * size,
-        context_lens=[context] * size,
-        block_tables=torch.full((size, width), scratch_block, device=dev),
-        num_decodes=size, decode_context_lens=torch.full((size,), context, device=dev))
+    meta = _scratch_metadata(kv_cache, size, scratch_slot, context, dev)
     ids = torch.zeros(size, dtype=torch.long, device=dev)
     positions = torch.full((size,), context - 1, dtype=torch.long, device=dev)
     rows = torch.arange(size, device=dev)
     return lambda: model(ids, positions, meta, kv_cache, rows, **forward_options)
+
+
+def scratch_layers(model: "LlamaForServing", kv_cache: "KVCache", size: int, scratch_slot: int,
+                   context: int, packed_layers: list):
+    """A call running the first ``len(packed_layers)`` decoder layers of a decode step as
+    ``scratch_decode`` does, on random hidden states; each layer's GEMMs on its entry of
+    ``packed_layers`` (``None``: the dense weights). A part of a step to time two paths
+    of the same layers against each other without the whole model in both forms."""
+    embed = model.model.embed_tokens.weight
+    c = model.config
+    meta = _scratch_metadata(kv_cache, size, scratch_slot, context, embed.device)
+    x = torch.randn(size, c.hidden_size, device=embed.device).to(embed.dtype)
+    positions = torch.full((size,), context - 1, dtype=torch.long, device=embed.device)
+    cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
+    layers = list(zip(model.model.layers, packed_layers))
+
+    @torch.inference_mode()
+    def run():
+        h, residual = x, None
+        for layer, packed in layers:
+            h, residual = layer(h, residual, cos, sin, meta, kv_cache, model.ops, packed)
+        return h
+    return run
 
 
 class KVCache:

@@ -20,17 +20,18 @@ checkpoint). A tied output projection is the embedding table itself and is not
 packed (that would copy the table); oneDNN multiplies the plain table instead.
 
 With ``enforce_eager=None`` (``PackedDecode(..., choose=True)``) the engine first
-times a decode step of each batch-size bucket both ways, dense eager against
-packed, at a realistic context (``CHOICE_CONTEXT``), in interleaved pairs
+times the first few layers of a decode step of each batch-size bucket both ways,
+dense eager against packed (a packed copy of those layers only, whose weights
+are twice the last-level cache: streamed from memory as a step streams the
+model), at a realistic context (``CHOICE_CONTEXT``), in interleaved pairs
 (``host.paired_ratio``): a bucket chooses packed when most of its pairs found
 it faster. There is one copy of the weights, so the choice is one for the whole
-model: packed weights are kept if any bucket chose them, and dropped (the dense
-weights stay) if every bucket chose eager. ``choices`` and ``speedups`` record
-what was measured (``describe`` prints them; the engine logs them). The timing
-is a start-up sample on whatever else the machine was doing then, not a
-guarantee for every later step. ``enforce_eager=False`` pins packing: no timing,
-and the dense weights are released layer by layer as they are packed, so start-up
-never holds two copies.
+model: the weights are packed if any bucket chose it, and stay dense if every
+bucket chose eager. ``choices`` and ``speedups`` record what was measured
+(``describe`` prints them; the engine logs them). The timing is a start-up
+sample on whatever else the machine was doing then, not a guarantee for every
+later step. Packing releases the dense weights layer by layer as it goes, so
+start-up never holds two copies of the model.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 import time
 from typing import Callable
 
 import torch
 
-from tinyserve.host import paired_ratio
-from tinyserve.model import KVCache, LlamaForServing, scratch_decode
+from tinyserve.host import l3_cache_bytes, paired_ratio
+from tinyserve.model import KVCache, LlamaForServing, scratch_layers
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +264,7 @@ class PackedDecode:
         self.speedups: dict[int, float] = {}
         self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
+        self.layers_timed = 0           # choosing: the decoder layers timed per bucket
 
     def weights_for(self, decode: bool) -> PackedWeights | None:
         """The packed weights every step runs on while they are kept (None: the dense
@@ -271,33 +274,44 @@ class PackedDecode:
         return self.weights
 
     def warm_up(self) -> float:
-        """Pack every weight (and, choosing, time each bucket against eager); seconds."""
+        """Pack every weight (choosing: if a bucket timed faster packed); seconds."""
         started = time.perf_counter()
-        self.weights = PackedWeights(self.model, release=not self.choose)
-        self.pack_seconds = time.perf_counter() - started
         if self.choose:
+            # Timed on a packed copy of the first few layers only: the whole model is never
+            # held in both forms.
+            probe = [PackedLayer(layer) for layer in self.model.model.layers[:self.probe_layers()]]
+            self.layers_timed = len(probe)
             for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
-                ratio = self.time_against_eager(size)
+                ratio = self.time_against_eager(size, probe)
                 self.speedups[size] = ratio.median
                 # Most pairs must agree: a tie does not flip between runs into packing.
                 self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
-            if "packed" in self.choices.values():
-                self.weights.release()
-            else:
-                self.weights = None             # the dense weights stay the only copy
+            del probe
+            return_freed_memory()
+        if not self.choose or "packed" in self.choices.values():
+            packing = time.perf_counter()
+            self.weights = PackedWeights(self.model, release=True)
+            self.pack_seconds = time.perf_counter() - packing
         return_freed_memory()
         self.warm_up_seconds = time.perf_counter() - started
         log.info("%s", self.describe())
         return self.warm_up_seconds
 
-    def time_against_eager(self, size: int, pairs: int = CHOICE_PAIRS):
-        """Eager seconds / packed seconds of one decode step of ``size`` rows over a
-        ``CHOICE_CONTEXT``-token context (``host.PairedRatio``: median and spread of
-        interleaved pairs), on rows that write to the scratch slot."""
+    def probe_layers(self) -> int:
+        """Layers timed at start: enough that their weights are twice the last-level cache
+        (streamed from memory, as a step streams the model), at least one."""
+        per_layer = weight_bytes(self.model) / self.model.config.num_hidden_layers
+        cache = l3_cache_bytes() or 32 * 2**20
+        return max(1, min(self.model.config.num_hidden_layers, math.ceil(2 * cache / per_layer)))
+
+    def time_against_eager(self, size: int, probe: list[PackedLayer], pairs: int = CHOICE_PAIRS):
+        """Eager seconds / packed seconds of the first ``len(probe)`` layers of a decode
+        step of ``size`` rows over a ``CHOICE_CONTEXT``-token context (``host.PairedRatio``:
+        median and spread of interleaved pairs), on rows that write to the scratch slot."""
         context = min(CHOICE_CONTEXT, self.model.config.max_position_embeddings)
-        eager = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot, context)
-        packed = scratch_decode(self.model, self.kv_cache, size, self.scratch_slot, context,
-                                packed=self.weights)
+        eager = scratch_layers(self.model, self.kv_cache, size, self.scratch_slot, context,
+                               [None] * len(probe))
+        packed = scratch_layers(self.model, self.kv_cache, size, self.scratch_slot, context, probe)
         return paired_ratio(eager, packed, pairs=pairs)
 
     def describe(self) -> str:
@@ -308,7 +322,8 @@ class PackedDecode:
         parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.choices]
         kept = ("packed weights kept, every step runs on them" if self.weights is not None
                 else "every bucket chose eager: packing dropped")
-        return (f"{kept}; decode step per bucket (eager time / packed time, median of "
+        return (f"{kept}; first {self.layers_timed} of {self.model.config.num_hidden_layers} layers "
+                f"of a decode step per bucket (eager time / packed time, median of "
                 f"{CHOICE_PAIRS} pairs at start): " + ", ".join(parts))
 
 
