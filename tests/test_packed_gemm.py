@@ -80,7 +80,7 @@ def test_choosing_times_a_packed_copy_of_the_first_layers_only(monkeypatch):
     # only the layers whose weights make twice the last-level cache have a packed copy.
     model = LlamaForServing.from_seed(dataclasses.replace(get_preset("tiny"), num_hidden_layers=5))
     layers = model.config.num_hidden_layers
-    per_layer = packed_gemm.weight_bytes(model) / layers
+    per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     monkeypatch.setattr(packed_gemm, "l3_cache_bytes", lambda: int(per_layer * 0.75))   # 2 layers
     made, seen = [], []
     real_init, real_ratio = packed_gemm.PackedLayer.__init__, packed_gemm.paired_ratio
@@ -142,6 +142,12 @@ def test_packed_layers_compute_what_the_linear_layers_compute(bias, rows):
     for got, linear in zip(packed.project_gate_up(x), (mlp.gate_proj, mlp.up_proj)):
         torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
     y = torch.randn(rows, config.intermediate_size)
+    torch.testing.assert_close(packed.down_proj(y), mlp.down_proj(y), rtol=1e-5, atol=1e-5)
+    # A padded GEMM keeps one buffer: the next call, inside inference mode or not, with
+    # fewer rows than the last, still gets only its own rows' results.
+    with torch.inference_mode():
+        packed.down_proj(torch.randn(3, config.intermediate_size))
+    y = y[:1]
     torch.testing.assert_close(packed.down_proj(y), mlp.down_proj(y), rtol=1e-5, atol=1e-5)
 
 

@@ -68,8 +68,8 @@ CHOOSE_FASTER = True
 CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
 # oneDNN's kernels for 1 or 2 rows read a packed weight more slowly than its 4-row
 # kernel does (every GEMM of cpu-bench on an AMD EPYC Zen 4: 1.04-1.37x slower, fp32
-# and bf16, 1 and 2 threads); the few zero rows that pad a call to 4 cost nothing at
-# a weight-read-bound batch.
+# and bf16, 1 and 2 threads); the few rows that pad a call to 4 cost nothing at a
+# weight-read-bound batch.
 MIN_ROWS = 4
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -142,13 +142,18 @@ class MergedLinear:
                           for b, l in zip(biases, linears)]) if self.has_bias else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
         self.bias = bias
+        self.padded: torch.Tensor | None = None      # input rows padded to MIN_ROWS
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows = x.shape[0]
-        if rows < MIN_ROWS:         # the extra rows' values are never read back: no zero fill
-            padded = x.new_empty(MIN_ROWS, x.shape[1])
-            padded[:rows] = x
-            x = padded
+        if rows < MIN_ROWS:
+            # One buffer per GEMM: its other rows hold zeros or an earlier call's rows (finite
+            # values, never denormal garbage), and their outputs are dropped.
+            if self.padded is None:
+                with torch.inference_mode(False):   # a normal tensor: writable in and out of it
+                    self.padded = x.new_zeros(MIN_ROWS, x.shape[1])
+            self.padded[:rows] = x
+            x = self.padded
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
         return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
 
@@ -300,7 +305,7 @@ class PackedDecode:
     def probe_layers(self) -> int:
         """Layers timed at start: enough that their weights are twice the last-level cache
         (streamed from memory, as a step streams the model), at least one."""
-        per_layer = weight_bytes(self.model) / self.model.config.num_hidden_layers
+        per_layer = sum(p.numel() * p.element_size() for p in self.model.model.layers[0].parameters())
         cache = l3_cache_bytes() or 32 * 2**20
         return max(1, min(self.model.config.num_hidden_layers, math.ceil(2 * cache / per_layer)))
 
