@@ -292,7 +292,6 @@ class PackedDecode:
                 # Most pairs must agree: a tie does not flip between runs into packing.
                 self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
             del probe
-            return_freed_memory()
         if not self.choose or "packed" in self.choices.values():
             packing = time.perf_counter()
             self.weights = PackedWeights(self.model, release=True)

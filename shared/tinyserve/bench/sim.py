@@ -204,7 +204,8 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
     roofline and by ``cost_model``, with the simulated mean running batch; then the
     worst error of each kind on each split, against the bounds of ``fidelity.BOUNDS``."""
     from tinyserve.sim.cost_model import get_cost_model
-    from tinyserve.sim.fidelity import BOUNDS, METRIC_KINDS, compare, measurements, miss, published, worst
+    from tinyserve.sim.fidelity import (BOUNDS, METRIC_KINDS, compare, measurements, miss, published,
+                                        source_in_goal, worst)
 
     model = get_cost_model(cost_model)
     name = model.name
@@ -255,7 +256,7 @@ def published_fidelity(cost_model="vllm-like", verbose: bool = True) -> dict:
                           and by_id[r.id].get("engine_generation") is None})
         print(f"  held-out sources (V1 era): {len(sources)}: {', '.join(sources)}")
         for source in sources:
-            if not published()["sources"][source].get("in_goal", True):
+            if not source_in_goal(source):
                 print(f"    {source} is not in the goal: {published()['sources'][source]['why_not_in_goal']}")
             mine = [r for r in rows if by_id[r.id]["source"] == source]
             cells = []

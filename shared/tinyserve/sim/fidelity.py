@@ -57,12 +57,17 @@ def published() -> dict:
     return json.loads(text)
 
 
+def source_in_goal(name: str) -> bool:
+    """Whether a source's points count toward ``BOUNDS``: all but those marked
+    ``"in_goal": false`` (which say why, in ``"why_not_in_goal"``)."""
+    return published()["sources"][name].get("in_goal", True)
+
+
 def in_goal(measurement: dict) -> bool:
     """Whether a measurement counts toward ``BOUNDS``: a vLLM V1-era point (no
-    ``"engine_generation"``) of a source not marked ``"in_goal": false`` (which says
-    why, in ``"why_not_in_goal"``). The others are predicted and printed all the same."""
-    source = published()["sources"][measurement["source"]]
-    return measurement.get("engine_generation") is None and source.get("in_goal", True)
+    ``"engine_generation"``) of a source in the goal (``source_in_goal``). The others
+    are predicted and printed all the same."""
+    return measurement.get("engine_generation") is None and source_in_goal(measurement["source"])
 
 
 def measurements(split: str | None = None) -> list[dict]:
