@@ -248,6 +248,31 @@ def test_a_token_budget_that_throttles_admission_is_its_own_verdict():
     assert spread.stage == "queueing" and spread.action.startswith("add capacity")
 
 
+def test_the_mean_batch_counts_every_step_not_the_two_gauge_readings():
+    # A live vLLM at 4 seats with a growing queue had its running gauge read 0 at a
+    # scrape while its steps ran 4 sequences (tests/test_vllm.py): the window's steps,
+    # each carrying one token per running sequence, say what the batch was.
+    server = Server("vllm")
+    calm(server)
+    server.levels(0, 10)
+    first = server.text()
+    server.finish(200, seed=3)
+    generated = mf.parse_metrics(server.text()).total("vllm:generation_tokens_total") \
+        - mf.parse_metrics(first).total("vllm:generation_tokens_total")
+    server.observe("step_tokens", [4] * int(generated // 4))
+    server.levels(0, 40)
+    s = live(first, server.text(), max_num_seqs=4).summary
+    assert s["mean_batch_size"] == pytest.approx(generated / int(generated // 4))
+    # Without the steps histogram the two gauge readings are all there is.
+    old = Server("vllm-0.8")
+    calm(old)
+    old.levels(2, 10)
+    before = old.text()
+    old.finish(200, seed=3)
+    old.levels(6, 40)
+    assert live(before, old.text(), max_num_seqs=4).summary["mean_batch_size"] == 4
+
+
 def test_an_http_error_says_could_not_read_once(http_server, capsys):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):

@@ -246,3 +246,55 @@ def test_the_high_concurrency_ttft_miss_is_the_front_end():
     assert ttft > 3
     ttft, _, _ = _sweep_point(512, room_for_every_prompt=True, front_end=False)
     assert ttft < 1
+
+
+def live_run():
+    """A sweep as ``tinyserve.bench.vllm_live.sweep`` records one (two shapes, two
+    concurrencies), its numbers those of the simulator with a known cost model."""
+    from dataclasses import asdict
+
+    from tinyserve.bench import vllm_live
+    from tinyserve.hardware import HardwareSpec
+
+    cpu = HardwareSpec("a 2-core CPU", {"fp32": 2e11, "bf16": 4e11}, 4e10, 24e9)
+    run = {"model": "cpu-bench", "dtype": "float32", "hardware": asdict(cpu),
+           "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "enable_chunked_prefill": True,
+                      "enable_prefix_caching": True, "block_size": 16, "max_model_len": 1024},
+           "enforce_eager": True, "start_up_s": 1.0, "points": []}
+    for shape in ("mixed", "short-in-long-out"):
+        for c in (1, 8):
+            specs = vllm_live.requests(shape, c)
+            run["points"].append({"shape": shape, "concurrency": c, "errors": 0,
+                                  "input_lens": [r.prompt_len for r in specs],
+                                  "output_lens": [r.output_len for r in specs], "measured": {},
+                                  "vllm": {"mean_batch_size": float(c), "num_preemptions": 0.0}})
+    truth = VLLM_LIKE.with_params(step_overhead=2e-3, frontend_time=5e-4)
+    for m, p in zip(vllm_live.measurements(run), run["points"]):
+        p["measured"] = fidelity.predict(m | {"measured": dict.fromkeys(vllm_live.MEASURED)}, truth)
+    return run
+
+
+def test_the_live_fit_sees_the_calibration_shape_only(monkeypatch):
+    from tinyserve.bench import vllm_live
+
+    rows = vllm_live.measurements(live_run(), calibrate="short-in-long-out")
+    assert {m["split"] for m in rows if "short-in-long-out" in m["id"]} == {"calibration"}
+    assert {m["split"] for m in rows if "mixed" in m["id"]} == {"held-out"}
+    fidelity.splits_by_source(rows)                     # one split per source
+    seen = []
+    monkeypatch.setattr(fidelity, "fit", lambda rows, **kw: seen.extend(rows) or VLLM_LIKE)
+    vllm_live.calibrated(rows)
+    assert seen and {m["split"] for m in seen} == {"calibration"}
+    with pytest.raises(ValueError, match="calibrate: 'chat' is not a shape of this sweep"):
+        vllm_live.measurements(live_run(), calibrate="chat")
+
+
+def test_the_live_report_judges_held_out_points_and_sets_the_batches_side_by_side():
+    from tinyserve.bench import vllm_live
+
+    out = vllm_live.report(live_run(), calibrate="mixed", iterations=10, verbose=False)
+    judged = [r for r in out["rows"] if r["judged"]]
+    assert judged and all(r["split"] == "held-out" and r["metric"] in vllm_live.JUDGED for r in judged)
+    assert set(out["worst_held_out"]) == set(vllm_live.JUDGED)
+    assert all(r["vllm_batch"] == r["concurrency"] for r in out["rows"])
+    assert all(0 < r["sim_batch"] <= r["concurrency"] for r in out["rows"])

@@ -110,14 +110,18 @@ def weight_bytes(model: LlamaForServing) -> int:
     return sum(p.numel() * p.element_size() for p in read.values())
 
 
+def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in oneDNN, ``weight`` packed (``_reorder_linear_weight``) or plain."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                   hint: int = PACK_HINT) -> Linear:
     """``x -> x @ weight.T + bias`` on a copy of ``weight [out, in]`` packed once for
     oneDNN (laid out for about ``hint`` rows; any number of rows works)."""
-    dnn = torch.ops.mkldnn
-    packed = dnn._reorder_linear_weight(weight.detach().contiguous(), hint)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), hint)
     bias = None if bias is None else bias.detach().contiguous()
-    return lambda x: dnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return lambda x: onednn_matmul(x, packed, bias)
 
 
 def return_freed_memory() -> None:
@@ -154,7 +158,7 @@ class MergedLinear:
                     self.padded = x.new_zeros(MIN_ROWS, x.shape[1])
             self.padded[:rows] = x
             x = self.padded
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
+        out = onednn_matmul(x, self.packed, self.bias)[:rows]
         return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
 
     def release(self) -> None:
@@ -230,7 +234,7 @@ class PackedWeights:
         # The tied table, unpacked: oneDNN multiplies a plain weight too, about twice as fast
         # as F.linear in fp32 (Qwen2.5-0.5B's 151936 x 896 table, AMD EPYC Zen 4: 21.6 ms
         # against 38.1 at one row, 60.3 against 122.5 at 32), as fast in bf16.
-        return torch.ops.mkldnn._linear_pointwise(x, self.model.lm_head.weight, None, "none", [], "")
+        return onednn_matmul(x, self.model.lm_head.weight, None)
 
     def release(self) -> None:
         """From now on the packed copy is the only one."""

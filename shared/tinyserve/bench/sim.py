@@ -303,9 +303,23 @@ def add_arguments(parser) -> None:
                         help="compare with published vLLM measurements on GPUs instead (no engine run)")
     parser.add_argument("--refit", action="store_true",
                         help="with --fidelity: fit the vllm-like cost model again first (minutes)")
+    parser.add_argument("--vllm-live", action="store_true",
+                        help="run vllm serve on this CPU from 1 to 256 concurrent requests, calibrate "
+                             "vllm-like on one length shape and predict the others (needs make vllm)")
+    parser.add_argument("--live-model", default="cpu-bench", help="--vllm-live: cpu-bench or qwen2.5-0.5b-shape")
+    parser.add_argument("--live-dtype", default="float32", help="--vllm-live: float32 or bfloat16")
+    parser.add_argument("--concurrencies", default="1,4,16,64,128,256", help="--vllm-live: comma-separated")
+    parser.add_argument("--calibrate-on", default="mixed", help="--vllm-live: the one shape the fit sees")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="--vllm-live: skip vLLM's start-up compile (faster start, slower steps)")
+    parser.add_argument("--live-from", help="--vllm-live: refit and report a saved sweep instead of running vLLM")
 
 
 def main(args) -> None:
+    if args.vllm_live or args.live_from:
+        from tinyserve.bench import vllm_live
+        vllm_live.main(args)
+        return
     if args.fidelity:
         model = "vllm-like"
         if args.refit:

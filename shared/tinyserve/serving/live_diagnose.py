@@ -14,8 +14,11 @@ reads, and the diagnosis is that same function, the one notebook 08 teaches:
   ``queue_growth_rate``: the waiting gauge at the two scrapes, the larger and the
   change per second (a queue that grows while arrivals outpace completions, or
   while the batch is at its cap, is overload, whatever the latency of the requests
-  that did finish); ``mean_batch_size``: the running gauge averaged over the two
-  scrapes, per engine (vLLM's data-parallel engines, ``engine`` label, and SGLang's
+  that did finish); ``mean_batch_size``: generated tokens / engine steps where the
+  engine counts its steps (vLLM's tokens-per-step histogram: every sequence past its
+  prefill adds one token to a step), else the running gauge averaged over the two
+  scrapes (a live vLLM's gauge read 0 at a scrape while its steps ran 4 sequences);
+  per engine either way (vLLM's data-parallel engines, ``engine`` label, and SGLang's
   ``dp_rank`` each have their own batch; of SGLang's tensor/pipeline ranks one is
   read); ``mean_kv_usage``: the KV-usage gauge, averaged;
 * ``output_throughput``: generated tokens / window (zero with requests held: a
@@ -149,16 +152,24 @@ def load_summary(w: Window, s: dict, unknown: dict) -> None:
         s["max_queue_length"] = max(waiting)
         s["queue_growth_rate"] = (waiting[1] - waiting[0]) / w.seconds
     engines = w.engines("running")
-    for key, role in (("mean_batch_size", "running"), ("mean_kv_usage", "kv_usage")):
-        level = running if role == "running" else w.gauge(role)
-        if level is None:
-            unknown[key] = w.missing(role)
-        else:       # the crossover and max_num_seqs are per engine, and so is the batch
-            s[key] = sum(level) / 2 / (engines if role == "running" else 1)
+    steps, generated = w.histogram("step_tokens"), w.delta("generation_tokens")
+    if steps is not None and steps.count and generated is not None:
+        # Every sequence that is past its prefill adds one token to a step, so this is the
+        # mean batch over every step of the window (counted per step: per engine already).
+        s["mean_batch_size"] = generated / steps.count
+    elif running is None:
+        unknown["mean_batch_size"] = w.missing("running")
+    else:       # the crossover and max_num_seqs are per engine, and so is the batch
+        s["mean_batch_size"] = sum(running) / 2 / engines
+    kv_usage = w.gauge("kv_usage")
+    if kv_usage is None:
+        unknown["mean_kv_usage"] = w.missing("kv_usage")
+    else:
+        s["mean_kv_usage"] = sum(kv_usage) / 2
     if engines > 1:
         s["engines"] = engines
-        w.notes.append(f"{engines} data-parallel engines: mean_batch_size is per engine (the running gauge "
-                       f"summed over them / {engines}), as max_num_seqs and the crossover are")
+        w.notes.append(f"{engines} data-parallel engines: mean_batch_size is per engine, as max_num_seqs "
+                       "and the crossover are")
     preemptions = w.delta("preemptions")
     if preemptions is None:
         unknown["num_preemptions"] = w.missing("preemptions")
