@@ -5,8 +5,10 @@ Everything is computed from the data file and the simulator; nothing is a stored
 prediction.
 """
 
+import json
 import math
 
+import numpy as np
 import pytest
 
 from tinyserve.sim import fidelity, simulate
@@ -250,7 +252,8 @@ def test_the_high_concurrency_ttft_miss_is_the_front_end():
 
 def live_run():
     """A sweep as ``tinyserve.bench.vllm_live.sweep`` records one (two shapes, two
-    concurrencies), its numbers those of the simulator with a known cost model."""
+    concurrencies and a Poisson rate each), its numbers those of the simulator with a
+    known cost model."""
     from dataclasses import asdict
 
     from tinyserve.bench import vllm_live
@@ -262,16 +265,31 @@ def live_run():
                       "enable_prefix_caching": True, "block_size": 16, "max_model_len": 1024},
            "enforce_eager": True, "start_up_s": 1.0, "points": []}
     for shape in ("mixed", "short-in-long-out"):
-        for c in (1, 8):
-            specs = vllm_live.requests(shape, c)
-            run["points"].append({"shape": shape, "concurrency": c, "errors": 0,
-                                  "input_lens": [r.prompt_len for r in specs],
-                                  "output_lens": [r.output_len for r in specs], "measured": {},
-                                  "vllm": {"mean_batch_size": float(c), "num_preemptions": 0.0}})
-    truth = VLLM_LIKE.with_params(step_overhead=2e-3, frontend_time=5e-4)
+        for c, rate in ((1, None), (8, None), (None, 4.0)):
+            run["points"].append({"shape": shape, "load": "poisson" if rate else f"c{c}", "concurrency": c,
+                                  "request_rate": rate, "errors": 0, "measured": {},
+                                  "workload": vllm_live.point_workload(shape, c, rate, seed=7),
+                                  "vllm": {"mean_batch_size": float(c or 4), "num_preemptions": 0.0}})
     for m, p in zip(vllm_live.measurements(run), run["points"]):
-        p["measured"] = fidelity.predict(m | {"measured": dict.fromkeys(vllm_live.MEASURED)}, truth)
+        p["measured"] = fidelity.predict(m | {"measured": dict.fromkeys(vllm_live.MEASURED)}, LIVE_TRUTH)
     return run
+
+
+LIVE_TRUTH = VLLM_LIKE.with_params(step_overhead=2e-3, frontend_time=5e-4)
+
+
+def test_a_live_point_gives_the_client_and_the_simulator_the_same_requests():
+    from tinyserve.bench import vllm_live
+
+    w = vllm_live.point_workload("mixed", rate=3.0, seed=11)
+    specs = fidelity.workload({"workload": w})
+    assert len(specs) == vllm_live.POISSON_REQUESTS and "max_concurrency" not in w
+    assert [s.prompt_len for s in specs] == w["input_lens"] and specs == fidelity.workload({"workload": w})
+    gaps = np.diff([s.arrival for s in specs])
+    assert (gaps >= 0).all() and 1 / 3.0 * 0.7 < gaps.mean() < 1 / 3.0 * 1.3
+    assert len(vllm_live.point_workload("mixed", 4)["input_lens"]) == 16
+    with pytest.raises(ValueError, match="a concurrency or a rate, not both"):
+        vllm_live.point_workload("mixed", 4, 3.0)
 
 
 def test_the_live_fit_sees_the_calibration_shape_only(monkeypatch):
@@ -292,9 +310,47 @@ def test_the_live_fit_sees_the_calibration_shape_only(monkeypatch):
 def test_the_live_report_judges_held_out_points_and_sets_the_batches_side_by_side():
     from tinyserve.bench import vllm_live
 
-    out = vllm_live.report(live_run(), calibrate="mixed", iterations=10, verbose=False)
+    run = live_run()
+    out = vllm_live.report(run, calibrate="mixed", iterations=10, verbose=False)
     judged = [r for r in out["rows"] if r["judged"]]
     assert judged and all(r["split"] == "held-out" and r["metric"] in vllm_live.JUDGED for r in judged)
+    assert {r["load"] for r in judged} == {"c1", "c8", "poisson"}
     assert set(out["worst_held_out"]) == set(vllm_live.JUDGED)
-    assert all(r["vllm_batch"] == r["concurrency"] for r in out["rows"])
-    assert all(0 < r["sim_batch"] <= r["concurrency"] for r in out["rows"])
+    assert all(r["vllm_batch"] == {"c1": 1, "c8": 8, "poisson": 4}[r["load"]] for r in out["rows"])
+    # Never more than the client lets in (Poisson arrivals: the engine's max_num_seqs).
+    assert all(0 < r["sim_batch"] <= {"c1": 1, "c8": 8, "poisson": 256}[r["load"]] for r in out["rows"])
+    assert all(("at_fault" in r) == (r["judged"] and not r["within_goal"]) for r in out["rows"])
+    # Saved and replayed (notebook 06): the same predictions from the saved fit, its words kept.
+    again = vllm_live.replay(json.loads(json.dumps({"run": run, "report": out})))
+    assert [(r["id"], r["metric"], r["predicted"], r.get("at_fault")) for r in again["rows"]] == \
+        [(r["id"], r["metric"], r["predicted"], r.get("at_fault")) for r in out["rows"]]
+
+
+def test_a_live_miss_names_the_term_at_fault():
+    from tinyserve.bench import vllm_live
+
+    rows = [m for m in vllm_live.measurements(live_run()) if not m["id"].endswith("poisson")]   # faster
+    # A model whose front end is a quarter of the truth's: on the held-out shape's points
+    # the front end is what TTFT misses, and scaling it back is what closes it.
+    light = LIVE_TRUTH.with_params(frontend_time=LIVE_TRUTH.frontend_time / 4,
+                                   frontend_latency=LIVE_TRUTH.frontend_latency / 4)
+    compared = fidelity.compare((light,), rows, extra=("mean_batch_size", "num_preemptions"))
+    lines = [{"id": r.id, "load": r.id.rsplit("-", 1)[1], "metric": r.metric, "measured": r.measured, "predicted": r.predicted[light.name],
+              "error": r.error(light.name), "judged": r.split == "held-out" and r.metric in vllm_live.JUDGED,
+              "within_goal": abs(r.error(light.name)) <= 0.02, "vllm_batch": r.extra[light.name]["mean_batch_size"],
+              "sim_batch": r.extra[light.name]["mean_batch_size"], "vllm_preemptions": 0.0,
+              "sim_preemptions": 0.0} for r in compared]
+    lines[0]["vllm_batch"] *= 2
+    vllm_live.at_fault(rows, light, lines)
+    missed = [line for line in lines if line["judged"] and not line["within_goal"]]
+    print("\n".join(f"{line['id']} {line['metric']}: {line['at_fault']}" for line in missed))
+    ttft = [line for line in missed if line["metric"] == "median_ttft"]
+    assert ttft and all(line["at_fault"].startswith("front end: 4x of it brings") for line in ttft)
+    assert all(("at_fault" in line) == (line in missed) for line in lines)
+    # vLLM's own counters come first: a batch the replay did not reproduce.
+    first = lines[0] | {"judged": True, "within_goal": False}
+    vllm_live.at_fault(rows, light, [first])
+    assert first["at_fault"].startswith(f"batch: vLLM ran {first['vllm_batch']:.1f} sequences per step")
+    first |= {"vllm_preemptions": 3.0}
+    vllm_live.at_fault(rows, light, [first])
+    assert first["at_fault"] == "preemption: vLLM preempted 3 times, the simulator 0"

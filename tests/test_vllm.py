@@ -236,7 +236,7 @@ def test_the_simulator_is_calibrated_on_one_shape_of_a_live_vllm_and_predicts_th
     from tinyserve.bench import vllm_live
 
     run = vllm_live.sweep("small", DTYPE, shapes=("mixed", "short-in-long-out"), concurrencies=(1, 8),
-                          enforce_eager=True, verbose=False)
+                          enforce_eager=True, poisson=False, verbose=False)
     assert all(p["errors"] == 0 for p in run["points"])
     # vLLM's own mean batch, from its step counter: one sequence at a time at c=1, never
     # more than the client lets in.

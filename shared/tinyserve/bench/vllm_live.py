@@ -6,9 +6,11 @@ own client from 1 to 256 concurrent requests over three length shapes; then the
     python -m tinyserve.bench sim --live-from run.json     # refit a saved sweep, no vLLM
 
 Each point is one ``bench serve`` run at ``--max-concurrency`` c (2c requests, at least
-16, all queued at t=0), with vLLM's own ``/metrics`` read before and after: its mean
-running batch (generated tokens / engine steps) and its preemptions sit beside what the
-simulator says of the same requests. The machine goes to the simulator as measured
+16, all queued at t=0), and for each shape one run of Poisson arrivals at 90% of the
+capacity its highest concurrency measured; vLLM's own ``/metrics`` are read before and
+after: its mean running batch (generated tokens / engine steps) and its preemptions sit
+beside what the simulator says of the same requests, replayed with the same arrival
+times and lengths. A held-out point that misses names the term at fault. The machine goes to the simulator as measured
 (``measure_device``: read bandwidth and matmul peak), the model as its shape, the
 scheduler as vLLM resolved its knobs and KV blocks here. Every point becomes a
 measurement in ``tinyserve.sim.fidelity``'s format, so the fit and the comparison are
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import zlib
 from dataclasses import asdict
+from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +33,7 @@ from tinyserve.bench import vllm_setup
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
 from tinyserve.hardware import ModelSpec
 from tinyserve.sim import fidelity
-from tinyserve.sim.cost_model import get_cost_model
+from tinyserve.sim.cost_model import EngineCostModel, get_cost_model
 from tinyserve.workload import make_workload
 
 CONCURRENCIES = (1, 4, 16, 64, 128, 256)
@@ -40,33 +44,59 @@ MEASURED = ("output_throughput", "request_throughput", "mean_ttft", "median_ttft
             "mean_tpot", "median_tpot", "p99_tpot")
 JUDGED = ("output_throughput", "median_tpot", "median_ttft")     # the goal: each within 15%
 GOAL = 0.15
+LAST = Path.home() / ".cache" / "tinyserve" / "sim" / "vllm_live.json"      # main() writes here
+STORED = "data/vllm_live_cpu.json"      # the sweep shipped with the package (its machine inside)
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+NEAR_CAPACITY = 0.9             # the Poisson point's rate, as a share of the measured capacity
+POISSON_REQUESTS = 128
+# The cost model's terms, as ``at_fault`` names them, and the parameters behind each.
+TERMS = {"front end": ("frontend_time", "frontend_latency"), "per-step overhead": ("step_overhead",),
+         "per-sequence overhead": ("seq_overhead",), "weight read": ("weight_efficiency",),
+         "KV read": ("kv_efficiency",), "compute": ("gemm_efficiency", "interference")}
 
 
-def requests(shape: str, concurrency: int, seed: int = 0):
-    return make_workload(shape, max(16, 2 * concurrency), rate=math.inf, seed=seed, max_len=MAX_LEN,
-                         length_scale=LENGTH_SCALE)
+def point_workload(shape: str, concurrency: int | None = None, rate: float | None = None,
+                   seed: int = 0) -> dict:
+    """A point's requests in ``fidelity``'s format: ``max(16, 2 x concurrency)`` of them
+    queued at t=0 for the client to let in ``concurrency`` at a time, or
+    ``POISSON_REQUESTS`` arriving at ``rate`` (drawn with ``seed``)."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("point_workload: give a concurrency or a rate, not both")
+    n = POISSON_REQUESTS if rate else max(16, 2 * concurrency)
+    specs = make_workload(shape, n, rate=math.inf, max_len=MAX_LEN, length_scale=LENGTH_SCALE)
+    w = {"input_lens": [r.prompt_len for r in specs], "output_lens": [r.output_len for r in specs]}
+    return w | ({"request_rate": rate, "arrival_seed": seed} if rate else {"max_concurrency": concurrency})
 
 
-def run_point(url: str, shape: str, concurrency: int, label: str = "") -> dict:
-    """One client run at ``concurrency``, with vLLM's counters over the same window. Its
-    prompts are its own (seeded by the point): with one seed for all, request i of every
-    point began with the same tokens, and vLLM's prefix cache served them (a first sweep:
-    TTFT at c=4 a third of that at c=1)."""
+def run_point(url: str, shape: str, concurrency: int | None = None, rate: float | None = None,
+              label: str = "") -> dict:
+    """One client run, at ``concurrency`` or with Poisson arrivals at ``rate``, and vLLM's
+    counters over the same window. Its prompts are its own (seeded by the point): with one
+    seed for all, request i of every point began with the same tokens, and vLLM's prefix
+    cache served them (a first sweep: TTFT at c=4 a third of that at c=1)."""
     from tinyserve.serving.client import benchmark
     from tinyserve.serving.live_diagnose import window_summary
     from tinyserve.serving.scrape import Window, fetch_metrics
 
-    specs = requests(shape, concurrency)
+    load = f"c{concurrency}" if rate is None else "poisson"
+    seed = zlib.crc32(f"{label}{shape}-{load}".encode())
+    w = point_workload(shape, concurrency, rate, seed)
     before = fetch_metrics(url)
-    s = benchmark(url, specs, max_concurrency=concurrency, progress=False,
-                  seed=zlib.crc32(f"{label}{shape}-{concurrency}".encode()))
+    s = benchmark(url, fidelity.workload({"workload": w}), max_concurrency=concurrency, progress=False,
+                  seed=seed)
     after = fetch_metrics(url)
     window, _ = window_summary(Window(before, after, s["duration"]))
-    return {"shape": shape, "concurrency": concurrency, "errors": s["errors"],
-            "input_lens": [r.prompt_len for r in specs], "output_lens": [r.output_len for r in specs],
-            "measured": {k: s[k] for k in MEASURED},
+    return {"shape": shape, "load": load, "concurrency": concurrency, "request_rate": rate,
+            "errors": s["errors"], "workload": w, "measured": {k: s[k] for k in MEASURED},
             "vllm": {k: window.get(k) for k in ("mean_batch_size", "num_preemptions", "prefix_cache_hit_rate")}}
+
+
+def print_point(p: dict) -> None:
+    m = p["measured"]
+    print(f"  {p['shape']:18s} {p['load']:7s} {m['output_throughput']:8.1f} tok/s  TTFT p50 "
+          f"{m['median_ttft']:.3f} s  TPOT p50 {m['median_tpot'] * 1e3:.1f} ms  vLLM batch "
+          f"{p['vllm']['mean_batch_size'] or 0:.1f}, prefix hits {p['vllm']['prefix_cache_hit_rate'] or 0:.0%}",
+          flush=True)
 
 
 def engine_of(url: str, resolved: dict) -> dict:
@@ -86,10 +116,12 @@ def engine_of(url: str, resolved: dict) -> dict:
 
 def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequence[str] = SHAPES,
           concurrencies: Sequence[int] = CONCURRENCIES, enforce_eager: bool = False,
-          verbose: bool = True) -> dict:
+          poisson: bool = True, verbose: bool = True) -> dict:
     """Start ``vllm serve`` (tuned: every core computes) on a random checkpoint of
-    ``model_shape`` and run every (shape, concurrency) point; with the machine as measured."""
-    from tinyserve.measure import measure_device
+    ``model_shape`` and run every (shape, concurrency) point, then per shape (``poisson``)
+    Poisson arrivals near the capacity its last concurrency measured; with the machine as
+    measured."""
+    from tinyserve.measure import measure_device, this_machine
 
     reason = vllm_setup.vllm_unavailable()
     if reason:
@@ -97,7 +129,8 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
     if dtype not in DTYPES:
         raise ValueError(f"dtype: choose one of {sorted(DTYPES)}, got {dtype!r}")
     for shape in shapes:
-        requests(shape, 1)          # a bad shape name fails before minutes of start-up
+        point_workload(shape, 1)    # a bad shape name fails before minutes of start-up
+    load = [round(x, 1) for x in os.getloadavg()]      # before vLLM: what else ran here
     hardware = measure_device(dtypes=("fp32", "bf16"))
     model = checkpoint_dir(model_shape, dtype)
     resolved = vllm_setup.installed_knobs(model)["resolved"]
@@ -111,14 +144,16 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
             for c in concurrencies:
                 points.append(run_point(server.url, shape, c))
                 if verbose:
-                    p = points[-1]
-                    print(f"  {shape:18s} c={c:<4d} {p['measured']['output_throughput']:8.1f} tok/s  "
-                          f"TTFT p50 {p['measured']['median_ttft']:.3f} s  TPOT p50 "
-                          f"{p['measured']['median_tpot'] * 1e3:.1f} ms  vLLM batch "
-                          f"{p['vllm']['mean_batch_size'] or 0:.1f}, prefix hits "
-                          f"{p['vllm']['prefix_cache_hit_rate'] or 0:.0%}", flush=True)
+                    print_point(points[-1])
+            if poisson:
+                capacity = points[-1]["measured"]["request_throughput"]
+                points.append(run_point(server.url, shape, rate=NEAR_CAPACITY * capacity))
+                if verbose:
+                    print_point(points[-1])
         engine = engine_of(server.url, resolved)
-    return {"model": model_shape, "dtype": dtype, "hardware": asdict(hardware), "engine": engine,
+    return {"model": model_shape, "dtype": dtype, "vllm": vllm_setup.VLLM_VERSION, "date": time.strftime("%Y-%m-%d"),
+            "machine": this_machine().as_dict(), "load_average": load,
+            "hardware": asdict(hardware), "engine": engine,
             "enforce_eager": enforce_eager, "start_up_s": start_up, "points": points}
 
 
@@ -128,12 +163,10 @@ def measurements(run: dict, calibrate: str = "mixed") -> list[dict]:
     if calibrate not in {p["shape"] for p in run["points"]}:
         raise ValueError(f"calibrate: {calibrate!r} is not a shape of this sweep")
     spec = ModelSpec.from_config(model_config(run["model"]), name=run["model"])
-    return [{"id": f"live-{p['shape']}-c{p['concurrency']}", "source": f"live vLLM, {p['shape']}",
+    return [{"id": f"live-{p['shape']}-{p['load']}", "source": f"live vLLM, {p['shape']}",
              "split": "calibration" if p["shape"] == calibrate else "held-out",
              "hardware": run["hardware"], "model": asdict(spec), "dtype": DTYPES[run["dtype"]],
-             "client": "http", "engine": run["engine"],
-             "workload": {"input_lens": p["input_lens"], "output_lens": p["output_lens"],
-                          "max_concurrency": p["concurrency"]},
+             "client": "http", "engine": run["engine"], "workload": p["workload"],
              "measured": p["measured"], "vllm": p["vllm"]} for p in run["points"]]
 
 
@@ -146,11 +179,68 @@ def calibrated(rows: Sequence[dict], iterations: int = 120, verbose: bool = Fals
         sorted({m["source"] for m in calibration})))
 
 
-def report(run: dict, calibrate: str = "mixed", iterations: int = 120, verbose: bool = True) -> dict:
-    """Fit on ``calibrate``, predict every point; print measured against predicted per
-    point and metric, and vLLM's batch and preemptions against the simulator's."""
+SCALES = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)      # what at_fault tries on one term
+
+
+def scaled(model, term: str, k: float):
+    """``model`` with ``term`` weighing ``k`` times as much: its times times ``k``, its
+    efficiencies divided by ``k`` (at most 1). A time fitted at 0 scales the published
+    fit's value (``vllm-like``), so that a term the fit dropped can still be blamed."""
+    published = get_cost_model("vllm-like")
+    params = {}
+    for f in TERMS[term]:
+        value = getattr(model, f) or getattr(published, f)
+        params[f] = (min(1.0, value / k) if f.endswith("efficiency")
+                     else min(1.0, value * k) if f == "interference" else value * k)
+    return model.with_params(**params)
+
+
+def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
+    """Name the term at fault on each judged line that misses (its ``"at_fault"``).
+
+    vLLM's own counters first: preemptions, or at a fixed concurrency a batch, that the
+    simulator did not reproduce on the same requests are its scheduler replay, not a
+    cost. Else the measurement that shows the term is the missed shape's whole curve:
+    each cost term in turn is scaled alone (``SCALES``) over every point of that shape,
+    and the one that brings the shape's worst miss on that metric lowest is named, with
+    the factor (or none, if no term alone brings it lower)."""
+    missed = [line for line in lines if line["judged"] and not line["within_goal"]]
+    for line in missed:
+        if line["vllm_preemptions"] is not None and abs(line["vllm_preemptions"] - line["sim_preemptions"]) >= 1:
+            line["at_fault"] = (f"preemption: vLLM preempted {line['vllm_preemptions']:.0f} times, "
+                                f"the simulator {line['sim_preemptions']:.0f}")
+        elif (line["load"] != "poisson" and line["vllm_batch"]
+              and abs(line["sim_batch"] / line["vllm_batch"] - 1) > 0.10):
+            # At a fixed concurrency the batch is the scheduler's doing; under Poisson
+            # arrivals it also follows the step time (slower steps gather more arrivals).
+            line["at_fault"] = (f"batch: vLLM ran {line['vllm_batch']:.1f} sequences per step, "
+                                f"the simulator {line['sim_batch']:.1f}")
+    by_id = {m["id"]: m for m in rows}
+    costs = [line for line in missed if "at_fault" not in line]
+    for source in {by_id[line["id"]]["source"] for line in costs}:
+        shape = [m for m in rows if m["source"] == source]
+        curves = {(term, k): [fidelity.predict(m, scaled(model, term, k)) for m in shape]
+                  for term in TERMS for k in SCALES}
+
+        def worst(metric, predictions):
+            return max(abs(p[metric] / m["measured"][metric] - 1) for p, m in zip(predictions, shape))
+        for line in (line for line in costs if by_id[line["id"]]["source"] == source):
+            metric = line["metric"]
+            now = max(abs(l["error"]) for l in lines if l["metric"] == metric and by_id[l["id"]]["source"] == source)
+            best = min(curves, key=lambda tk: worst(metric, curves[tk]))
+            after = worst(metric, curves[best])
+            line["at_fault"] = (f"{best[0]}: {best[1]:g}x of it brings this shape's worst {metric} miss "
+                                f"from {now:.0%} to {after:.0%}" if after < now - 0.005 else
+                                f"no one cost term: scaling any of them alone leaves this shape's worst "
+                                f"{metric} miss at {now:.0%} or more")
+
+
+def judge(run: dict, calibrate: str, model) -> tuple[dict, list[dict]]:
+    """Every point of ``run`` predicted by ``model`` (no fit): per point and metric the
+    measured and predicted values, the error, whether it is judged (a held-out shape and
+    a metric of ``JUDGED``) and within ``GOAL``, vLLM's batch and preemptions beside the
+    simulator's; and the worst judged error per metric. Also the measurements."""
     rows = measurements(run, calibrate)
-    model = calibrated(rows, iterations)
     compared = fidelity.compare((model,), rows, extra=("mean_batch_size", "num_preemptions"))
     by_id = {m["id"]: m for m in rows}
     lines, worst = [], {}
@@ -160,35 +250,77 @@ def report(run: dict, calibrate: str = "mixed", iterations: int = 120, verbose: 
         judged = r.metric in JUDGED and r.split == "held-out"
         if judged and abs(error) > abs(worst.get(r.metric, (0.0, ""))[0]):
             worst[r.metric] = (error, r.id)
-        lines.append({"id": r.id, "split": r.split, "concurrency": m["workload"]["max_concurrency"],
+        shape, load = r.id.removeprefix("live-").rsplit("-", 1)
+        lines.append({"id": r.id, "split": r.split, "shape": shape, "load": load,
                       "metric": r.metric, "measured": r.measured, "predicted": r.predicted[model.name],
                       "error": error, "judged": judged, "within_goal": abs(error) <= GOAL if judged else None,
                       "vllm_batch": m["vllm"]["mean_batch_size"],
                       "sim_batch": r.extra[model.name]["mean_batch_size"],
                       "vllm_preemptions": m["vllm"]["num_preemptions"],
                       "sim_preemptions": r.extra[model.name]["num_preemptions"]})
-    out = {"fitted": asdict(model), "calibrate": calibrate, "rows": lines,
-           "worst_held_out": {k: {"error": e, "id": i} for k, (e, i) in worst.items()}}
+    return ({"fitted": asdict(model), "calibrate": calibrate, "rows": lines,
+             "worst_held_out": {k: {"error": e, "id": i} for k, (e, i) in worst.items()}}, rows)
+
+
+def report(run: dict, calibrate: str = "mixed", iterations: int = 120, verbose: bool = True) -> dict:
+    """Fit on ``calibrate``, predict every point and name the term at fault where a
+    held-out point misses; print measured against predicted per point and metric, and
+    vLLM's batch and preemptions against the simulator's."""
+    model = calibrated(measurements(run, calibrate), iterations)
+    out, rows = judge(run, calibrate, model)
+    at_fault(rows, model, out["rows"])
     if verbose:
         print_report(run, out)
     return out
 
 
-def print_report(run: dict, out: dict) -> None:
-    hw = run["hardware"]
-    print(f"\nvLLM live on {hw['name']}: {run['model']} {run['dtype']}, read {hw['memory_bandwidth'] / 1e9:.1f} GB/s, "
-          f"start-up {run['start_up_s']:.0f} s; calibrated on {out['calibrate']} only")
-    print(f"{'point':28s} {'split':11s} {'metric':18s} {'measured':>10s} {'predicted':>10s} {'error':>7s}  "
+def print_report(run: dict, out: dict, splits=("calibration", "held-out")) -> None:
+    """The machine and the fit, then per point of ``splits`` and metric of ``JUDGED``:
+    measured, predicted, error, vLLM's batch and preemptions beside the simulator's, and
+    the term at fault where a held-out point misses; the worst held-out error per metric."""
+    hw, m, f = run["hardware"], run.get("machine", {}), out["fitted"]
+    print(f"vLLM {run.get('vllm', '?')} live on {m.get('cpu', hw['name'])}, {m.get('cores', '?')} cores, "
+          f"{run.get('date', '?')}: {run['model']} {run['dtype']}, read {hw['memory_bandwidth'] / 1e9:.1f} GB/s, "
+          f"start-up {run['start_up_s']:.0f} s")
+    print(f"vllm-like fitted on {out['calibrate']} only: {f['step_overhead'] * 1e3:.1f} ms per step + "
+          f"{f['seq_overhead'] * 1e6:.0f} us per sequence, weights read at {f['weight_efficiency']:.2f} and KV at "
+          f"{f['kv_efficiency']:.2f} of the bandwidth, GEMMs at {f['gemm_efficiency']:.2f} of the peak, "
+          f"front end {f['frontend_time'] * 1e3:.1f} ms serial + {f['frontend_latency'] * 1e3:.1f} ms per request")
+    print(f"{'point':34s} {'metric':18s} {'measured':>10s} {'predicted':>10s} {'error':>7s}  "
           f"batch vLLM/sim  preempt vLLM/sim")
     for r in out["rows"]:
-        if r["metric"] not in JUDGED:
+        if r["metric"] not in JUDGED or r["split"] not in splits:
             continue
         flag = "" if r["within_goal"] is None else ("  ok" if r["within_goal"] else "  MISS")
-        print(f"{r['id']:28s} {r['split']:11s} {r['metric']:18s} {r['measured']:10.4g} {r['predicted']:10.4g} "
+        print(f"{r['id']:34s} {r['metric']:18s} {r['measured']:10.4g} {r['predicted']:10.4g} "
               f"{r['error']:+7.1%}  {r['vllm_batch'] or 0:5.1f}/{r['sim_batch']:5.1f}  "
               f"{r['vllm_preemptions'] or 0:4.0f}/{r['sim_preemptions']:4.0f}{flag}")
+        if "at_fault" in r:
+            print(f"{'':34s} at fault: {r['at_fault']}")
     for metric, w in out["worst_held_out"].items():
         print(f"worst held-out {metric}: {w['error']:+.1%} at {w['id']} (goal: within {GOAL:.0%})")
+
+
+def stored() -> dict:
+    """The sweep and report shipped with the package (``{"run": ..., "report": ...}``)."""
+    return json.loads(resources.files("tinyserve").joinpath(STORED).read_text())
+
+
+def last() -> dict | None:
+    """This machine's last ``bench sim --vllm-live``, if it ran one."""
+    return json.loads(LAST.read_text()) if LAST.exists() else None
+
+
+def replay(saved: dict) -> dict:
+    """Today's simulator on a saved sweep, with the cost model fitted then (no refit, and
+    no search for the term at fault: the saved report's words are kept where the same
+    point still misses); ``judge``'s report."""
+    out, _ = judge(saved["run"], saved["report"]["calibrate"], EngineCostModel(**saved["report"]["fitted"]))
+    said = {(r["id"], r["metric"]): r["at_fault"] for r in saved["report"]["rows"] if "at_fault" in r}
+    for line in out["rows"]:
+        if line["judged"] and not line["within_goal"] and (line["id"], line["metric"]) in said:
+            line["at_fault"] = said[line["id"], line["metric"]]
+    return out
 
 
 def main(args) -> None:
@@ -200,7 +332,7 @@ def main(args) -> None:
                     concurrencies=tuple(int(c) for c in args.concurrencies.split(",")),
                     enforce_eager=args.enforce_eager)
     out = report(run, args.calibrate_on)
-    path = Path(args.out or Path.home() / ".cache" / "tinyserve" / "sim" / "vllm_live.json")
+    path = Path(args.out or LAST)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"run": run, "report": out}, indent=1) + "\n")
     print(f"wrote {path}")

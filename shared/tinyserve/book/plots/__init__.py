@@ -31,7 +31,7 @@ from tinyserve.book.plots.journey import (  # noqa: F401
 )
 from tinyserve.book.plots.policies import (  # noqa: F401
     cdf, starvation_vs_aging, metric_bars, goodput_heatmap, scheduling_dashboard,
-    simulator_vs_engine, cost_models_vs_published,
+    simulator_vs_engine, cost_models_vs_published, live_vllm_sweep,
 )
 from tinyserve.book.plots.orchestration import (  # noqa: F401
     layer_trace, routing_policy_bars, routing_vs_replicas, disaggregation_bars, kv_transfer_scatter,

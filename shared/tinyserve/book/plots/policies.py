@@ -1,8 +1,9 @@
 """Figures for notebook 06 (scheduling policies): empirical CDFs (of TTFT,
 TPOT, or inter-token gaps, as notebook 08 uses it), starvation against aging,
 per-policy metric bars, the goodput heatmap, the one-run scheduling dashboard
-behind ``widgets.scheduling_playground``, simulator-vs-engine fidelity, and the
-simulator's cost models against published vLLM measurements.
+behind ``widgets.scheduling_playground``, simulator-vs-engine fidelity, the
+simulator's cost models against published vLLM measurements, and against a live
+vLLM swept on this CPU.
 """
 
 from __future__ import annotations
@@ -210,5 +211,38 @@ def cost_models_vs_published(rows, sweep, axes=None, band=0.15):
     axes[1].set_title("Every throughput-like point (* held out)", fontsize=TITLE)
     axes[1].legend(fontsize=SMALL, loc="upper right")
     axes[1].grid(alpha=0.3, axis="y")
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def live_vllm_sweep(lines, metrics=(("output_throughput", "output tokens/s", 1.0),
+                                    ("median_tpot", "median TPOT (ms)", 1e3),
+                                    ("median_ttft", "median TTFT (s)", 1.0)),
+                    axes=None, title=None):
+    """A live vLLM sweep against the simulator: one panel per metric, measured (dots) and
+    predicted (lines) against max concurrency, one colour per length shape, the
+    calibration shape dashed. ``lines``: the rows of ``bench.vllm_live.judge``'s report
+    (points at a Poisson rate are left out: they have no concurrency)."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4))
+    points = [r for r in lines if r["load"].startswith("c")]
+    shapes = sorted({r["shape"] for r in points}, key=lambda s: (s not in {r["shape"] for r in points
+                                                                           if r["split"] == "calibration"}, s))
+    for ax, (metric, label, scale) in zip(axes, metrics):
+        for i, shape in enumerate(shapes):
+            mine = sorted((int(r["load"][1:]), r) for r in points if r["shape"] == shape and r["metric"] == metric)
+            conc = [c for c, _ in mine]
+            fitted = mine[0][1]["split"] == "calibration"
+            ax.plot(conc, [r["measured"] * scale for _, r in mine], "o", color=f"C{i}", label=f"{shape} measured")
+            ax.plot(conc, [r["predicted"] * scale for _, r in mine], "--" if fitted else "-", color=f"C{i}",
+                    label=f"{shape} predicted" + (" (fitted on it)" if fitted else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(plain_number))
+        ax.yaxis.set_major_formatter(FuncFormatter(plain_number))
+        finish(ax, label, xlabel="max concurrency", title_size=MEDIUM, grid="both",
+               legend=SMALL if ax is axes[0] else None)
+    if title:
+        axes[0].figure.suptitle(title, fontsize=TITLE)
     axes[0].figure.tight_layout()
     return axes
