@@ -345,7 +345,7 @@ def test_a_live_miss_names_the_term_at_fault():
     missed = [line for line in lines if line["judged"] and not line["within_goal"]]
     print("\n".join(f"{line['id']} {line['metric']}: {line['at_fault']}" for line in missed))
     ttft = [line for line in missed if line["metric"] == "median_ttft"]
-    assert ttft and all(line["at_fault"].startswith("front end: 4x of it brings") for line in ttft)
+    assert ttft and all(line["at_fault"].startswith("front end: 4x of it brings this shape's worst median_ttft miss at a fixed") for line in ttft)
     assert all(("at_fault" in line) == (line in missed) for line in lines)
     # vLLM's own counters come first: a batch the replay did not reproduce.
     first = lines[0] | {"judged": True, "within_goal": False}

@@ -201,9 +201,9 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
     vLLM's own counters first: preemptions, or at a fixed concurrency a batch, that the
     simulator did not reproduce on the same requests are its scheduler replay, not a
     cost. Else the measurement that shows the term is the missed shape's whole curve:
-    each cost term in turn is scaled alone (``SCALES``) over every point of that shape,
-    and the one that brings the shape's worst miss on that metric lowest is named, with
-    the factor (or none, if no term alone brings it lower)."""
+    each cost term in turn is scaled alone (``SCALES``) over that shape's points at a
+    fixed concurrency, and the one that brings the shape's worst miss on that metric
+    lowest is named, with the factor (or none, if no term alone brings it lower)."""
     missed = [line for line in lines if line["judged"] and not line["within_goal"]]
     for line in missed:
         if line["vllm_preemptions"] is not None and abs(line["vllm_preemptions"] - line["sim_preemptions"]) >= 1:
@@ -218,7 +218,9 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
     by_id = {m["id"]: m for m in rows}
     costs = [line for line in missed if "at_fault" not in line]
     for source in {by_id[line["id"]]["source"] for line in costs}:
-        shape = [m for m in rows if m["source"] == source]
+        # Its points at a fixed concurrency: under Poisson arrivals a step-time error
+        # also changes the batch, which would weigh on every term at once.
+        shape = [m for m in rows if m["source"] == source and m["workload"].get("max_concurrency")]
         curves = {(term, k): [fidelity.predict(m, scaled(model, term, k)) for m in shape]
                   for term in TERMS for k in SCALES}
 
@@ -226,13 +228,14 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
             return max(abs(p[metric] / m["measured"][metric] - 1) for p, m in zip(predictions, shape))
         for line in (line for line in costs if by_id[line["id"]]["source"] == source):
             metric = line["metric"]
-            now = max(abs(l["error"]) for l in lines if l["metric"] == metric and by_id[l["id"]]["source"] == source)
+            now = worst(metric, [{metric: l["predicted"]} for m in shape for l in lines
+                                 if l["id"] == m["id"] and l["metric"] == metric])
             best = min(curves, key=lambda tk: worst(metric, curves[tk]))
             after = worst(metric, curves[best])
-            line["at_fault"] = (f"{best[0]}: {best[1]:g}x of it brings this shape's worst {metric} miss "
-                                f"from {now:.0%} to {after:.0%}" if after < now - 0.005 else
-                                f"no one cost term: scaling any of them alone leaves this shape's worst "
-                                f"{metric} miss at {now:.0%} or more")
+            line["at_fault"] = (f"{best[0]}: {best[1]:g}x of it brings this shape's worst {metric} miss at a "
+                                f"fixed concurrency from {now:.0%} to {after:.0%}" if after < now - 0.005 else
+                                f"no one cost term: scaled alone, none brings this shape's worst {metric} "
+                                f"miss at a fixed concurrency below {now:.0%}")
 
 
 def judge(run: dict, calibrate: str, model) -> tuple[dict, list[dict]]:
