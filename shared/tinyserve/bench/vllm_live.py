@@ -2,7 +2,7 @@
 own client from 1 to 256 concurrent requests over three length shapes; then the
 ``vllm-like`` cost model calibrated on one shape only and asked to predict the others.
 
-    python -m tinyserve.bench sim --vllm-live                  # cpu-bench, fp32 (about 10 min)
+    python -m tinyserve.bench sim --vllm-live                  # cpu-bench, fp32 (about 35 min on 2 cores)
     python -m tinyserve.bench sim --live-from run.json     # refit a saved sweep, no vLLM
 
 Each point is one ``bench serve`` run at ``--max-concurrency`` c (2c requests, at least
@@ -61,7 +61,7 @@ def point_workload(shape: str, concurrency: int | None = None, rate: float | Non
     queued at t=0 for the client to let in ``concurrency`` at a time, or
     ``POISSON_REQUESTS`` arriving at ``rate`` (drawn with ``seed``)."""
     if (concurrency is None) == (rate is None):
-        raise ValueError("point_workload: give a concurrency or a rate, not both")
+        raise ValueError("point_workload: give a concurrency or a rate (one of the two)")
     n = POISSON_REQUESTS if rate else max(16, 2 * concurrency)
     specs = make_workload(shape, n, rate=math.inf, max_len=MAX_LEN, length_scale=LENGTH_SCALE)
     w = {"input_lens": [r.prompt_len for r in specs], "output_lens": [r.output_len for r in specs]}
