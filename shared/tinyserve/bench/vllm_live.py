@@ -10,9 +10,9 @@ Each point is one ``bench serve`` run at ``--max-concurrency`` c (2c requests, a
 capacity its highest concurrency measured; vLLM's own ``/metrics`` are read before and
 after: its mean running batch (generated tokens / engine steps) and its preemptions sit
 beside what the simulator says of the same requests, replayed with the same arrival
-times and lengths. A held-out point that misses names the term at fault. The machine goes to the simulator as measured
-(``measure_device``: read bandwidth and matmul peak), the model as its shape, the
-scheduler as vLLM resolved its knobs and KV blocks here. Every point becomes a
+times and lengths. A held-out point that misses names the term at fault. The machine
+goes to the simulator as measured (``measure_device``: read bandwidth and matmul peak),
+the model as its shape, the scheduler as vLLM resolved its knobs and KV blocks here. Every point becomes a
 measurement in ``tinyserve.sim.fidelity``'s format, so the fit and the comparison are
 the ones the published GPU runs go through.
 """
@@ -130,7 +130,7 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
         raise ValueError(f"dtype: choose one of {sorted(DTYPES)}, got {dtype!r}")
     for shape in shapes:
         point_workload(shape, 1)    # a bad shape name fails before minutes of start-up
-    load = [round(x, 1) for x in os.getloadavg()]      # before vLLM: what else ran here
+    load_average = [round(x, 1) for x in os.getloadavg()]      # before vLLM: what else ran here
     hardware = measure_device(dtypes=("fp32", "bf16"))
     model = checkpoint_dir(model_shape, dtype)
     resolved = vllm_setup.installed_knobs(model)["resolved"]
@@ -152,7 +152,7 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
                     print_point(points[-1])
         engine = engine_of(server.url, resolved)
     return {"model": model_shape, "dtype": dtype, "vllm": vllm_setup.VLLM_VERSION, "date": time.strftime("%Y-%m-%d"),
-            "machine": this_machine().as_dict(), "load_average": load,
+            "machine": this_machine().as_dict(), "load_average": load_average,
             "hardware": asdict(hardware), "engine": engine,
             "enforce_eager": enforce_eager, "start_up_s": start_up, "points": points}
 
@@ -163,7 +163,8 @@ def measurements(run: dict, calibrate: str = "mixed") -> list[dict]:
     if calibrate not in {p["shape"] for p in run["points"]}:
         raise ValueError(f"calibrate: {calibrate!r} is not a shape of this sweep")
     spec = ModelSpec.from_config(model_config(run["model"]), name=run["model"])
-    return [{"id": f"live-{p['shape']}-{p['load']}", "source": f"live vLLM, {p['shape']}",
+    return [{"id": f"live-{p['shape']}-{p['load']}", "shape": p["shape"], "load": p["load"],
+             "source": f"live vLLM, {p['shape']}",
              "split": "calibration" if p["shape"] == calibrate else "held-out",
              "hardware": run["hardware"], "model": asdict(spec), "dtype": DTYPES[run["dtype"]],
              "client": "http", "engine": run["engine"], "workload": p["workload"],
@@ -216,6 +217,7 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
             line["at_fault"] = (f"batch: vLLM ran {line['vllm_batch']:.1f} sequences per step, "
                                 f"the simulator {line['sim_batch']:.1f}")
     by_id = {m["id"]: m for m in rows}
+    predicted = {(line["id"], line["metric"]): line["predicted"] for line in lines}
     costs = [line for line in missed if "at_fault" not in line]
     for source in {by_id[line["id"]]["source"] for line in costs}:
         # Its points at a fixed concurrency: under Poisson arrivals a step-time error
@@ -228,8 +230,7 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
             return max(abs(p[metric] / m["measured"][metric] - 1) for p, m in zip(predictions, shape))
         for line in (line for line in costs if by_id[line["id"]]["source"] == source):
             metric = line["metric"]
-            now = worst(metric, [{metric: l["predicted"]} for m in shape for l in lines
-                                 if l["id"] == m["id"] and l["metric"] == metric])
+            now = worst(metric, [{metric: predicted[m["id"], metric]} for m in shape])
             best = min(curves, key=lambda tk: worst(metric, curves[tk]))
             after = worst(metric, curves[best])
             line["at_fault"] = (f"{best[0]}: {best[1]:g}x of it brings this shape's worst {metric} miss at a "
@@ -253,8 +254,7 @@ def judge(run: dict, calibrate: str, model) -> tuple[dict, list[dict]]:
         judged = r.metric in JUDGED and r.split == "held-out"
         if judged and abs(error) > abs(worst.get(r.metric, (0.0, ""))[0]):
             worst[r.metric] = (error, r.id)
-        shape, load = r.id.removeprefix("live-").rsplit("-", 1)
-        lines.append({"id": r.id, "split": r.split, "shape": shape, "load": load,
+        lines.append({"id": r.id, "split": r.split, "shape": m["shape"], "load": m["load"],
                       "metric": r.metric, "measured": r.measured, "predicted": r.predicted[model.name],
                       "error": error, "judged": judged, "within_goal": abs(error) <= GOAL if judged else None,
                       "vllm_batch": m["vllm"]["mean_batch_size"],

@@ -226,8 +226,8 @@ def live_vllm_sweep(lines, metrics=(("output_throughput", "output tokens/s", 1.0
     if axes is None:
         _, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.4))
     points = [r for r in lines if r["load"].startswith("c")]
-    shapes = sorted({r["shape"] for r in points}, key=lambda s: (s not in {r["shape"] for r in points
-                                                                           if r["split"] == "calibration"}, s))
+    fitted_on = {r["shape"] for r in points if r["split"] == "calibration"}
+    shapes = sorted({r["shape"] for r in points}, key=lambda s: (s not in fitted_on, s))    # the fitted one first
     for ax, (metric, label, scale) in zip(axes, metrics):
         for i, shape in enumerate(shapes):
             mine = sorted((int(r["load"][1:]), r) for r in points if r["shape"] == shape and r["metric"] == metric)
