@@ -100,10 +100,10 @@ def linear_bytes_held(llm) -> int:
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in llm.model.parameters() if not p.is_meta}
     path = llm.engine.executor.packed
-    packed = 0 if path is None or path.weights is None else sum(
-        m.packed.numel() * m.packed.element_size()
-        + (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
-        for m in path.weights._all())
+    held = [] if path is None or path.weights is None else path.weights._all()
+    packed = sum(w.numel() * w.element_size() for m in held
+                 for w in (m.dense_weight() if path.weights.form == "upcast" else m.packed, m.bias)
+                 if w is not None)
     return sum(storages.values()) + packed
 
 
@@ -163,7 +163,7 @@ def test_the_output_projection_computes_what_lm_head_computes(tied, rows):
     torch.testing.assert_close(weights.lm_head(x), model.lm_head(x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_dtype_is_packed_exactly_where_onednn_packs_it():
+def test_a_dtype_is_packed_exactly_where_onednn_packs_it_and_bf16_upcast_elsewhere():
     model = LlamaForServing.from_seed(get_preset("tiny"))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model = model.to(dtype)
@@ -172,7 +172,67 @@ def test_a_dtype_is_packed_exactly_where_onednn_packs_it():
             reorders = dtype != torch.float16
         except RuntimeError:
             reorders = False
-        assert packed_gemm.supported(model) == reorders, dtype
+        expected = "packed" if reorders else "upcast" if dtype == torch.bfloat16 else None
+        assert packed_gemm.form(model) == expected, dtype
+        assert packed_gemm.supported(model) == (expected is not None)
+
+
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    """This CPU as one without native bf16, whatever it has: oneDNN packs fp32 only."""
+    monkeypatch.setattr(packed_gemm, "packs", lambda dtype: dtype == torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 40])   # below and from UPCAST_MIN_ROWS
+@pytest.mark.parametrize("bias", [False, True])
+def test_upcast_layers_compute_what_the_linear_layers_compute(bias, rows, no_native_bf16, monkeypatch):
+    # A scratch buffer of 3 rows of the widest weight: every GEMM of many rows runs in chunks.
+    config = dataclasses.replace(get_preset("tiny"), qkv_bias=bias, mlp_bias=bias, o_bias=bias,
+                                 tie_word_embeddings=True)
+    monkeypatch.setattr(packed_gemm, "UPCAST_SCRATCH_BYTES", 3 * 4 * config.intermediate_size)
+    model = LlamaForServing.from_seed(config, seed=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_()
+    model = model.to(torch.bfloat16)
+    weights = packed_gemm.PackedWeights(model)
+    assert weights.form == "upcast" and weights.scratch.dtype == torch.float32
+    layer, upcast = model.model.layers[0], weights.layers[0]
+    x = torch.randn(rows, config.hidden_size, dtype=torch.bfloat16)
+    y = torch.randn(rows, config.intermediate_size, dtype=torch.bfloat16)
+    attn, mlp = layer.self_attn, layer.mlp
+    # Against the same bf16 weights in fp32, rounded to bf16 once at the end: both ways agree
+    # with it to bf16's precision (one rounding of the output, or bf16 F.linear's own).
+    pairs = [*zip(upcast.project_qkv(x), (attn.q_proj, attn.k_proj, attn.v_proj)),
+             *zip(upcast.project_gate_up(x), (mlp.gate_proj, mlp.up_proj)),
+             (upcast.down_proj(y), mlp.down_proj), (upcast.o_proj(x), attn.o_proj)]
+    for got, linear in pairs:
+        source = y if linear is mlp.down_proj else x
+        want = torch.nn.functional.linear(source.float(), linear.weight.float(),
+                                          None if linear.bias is None else linear.bias.float())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
+    # The tied head multiplies the embedding table itself, in chunks too.
+    want = x.float() @ model.model.embed_tokens.weight.float().T
+    torch.testing.assert_close(weights.lm_head(x).float(), want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_bf16_without_native_bf16_serves_on_its_own_weights_once(no_native_bf16, tmp_path):
+    # enforce_eager=None takes the upcast form without timing, whatever the cache holds; the
+    # weights are the checkpoint's bytes, once; every request finishes and every block is back.
+    config = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=True)
+    save_pretrained(LlamaForServing.from_seed(config, seed=3).to(torch.bfloat16), tmp_path)
+    checkpoint = sum(t.numel() * t.element_size() for t in load_file(tmp_path / "model.safetensors").values())
+    llm = LLM(str(tmp_path), **{k: v for k, v in ENGINE.items() if k != "model"}, dtype="bfloat16")
+    path = llm.engine.executor.packed
+    assert path.weights.form == "upcast" and path.choices == {} and "without native bf16" in path.describe()
+    assert linear_bytes_held(llm) == checkpoint
+    prompts, params = workload(seed=1)
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert path.steps_run > 0
+    assert llm.engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
 
 
 def test_the_default_packs_weights_larger_than_the_last_level_cache(monkeypatch):
@@ -184,6 +244,8 @@ def test_the_default_packs_weights_larger_than_the_last_level_cache(monkeypatch)
     monkeypatch.setattr(host, "l3_cache_bytes", lambda: size)
     assert engine.default_enforce_eager(model) is True            # fits in the cache: eager
     assert engine.default_enforce_eager(model.to(torch.float16)) is True  # not packed
+    monkeypatch.setattr(packed_gemm, "packs", lambda dtype: dtype == torch.float32)
+    assert engine.default_enforce_eager(model.to(torch.bfloat16)) is None  # upcast, even in the cache
 
 
 def test_weight_bytes_count_a_tied_output_projection_once():

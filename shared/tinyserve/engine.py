@@ -344,10 +344,15 @@ def default_enforce_eager(model: LlamaForServing) -> bool | None:
     layers of a decode step, timed both ways at start, ran faster packed in some bucket. Weights that
     stay in the cache are not read from memory each step, and packing rarely beats
     eager there. On a GPU, compiled CUDA graphs cost a compile per bucket at every
-    start and have not been measured on hardware yet: eager there, as for dtypes this
-    CPU does not pack (bf16 without native bf16 support)."""
-    if not packed_gemm.supported(model):
+    start and have not been measured on hardware yet: eager there, as for fp16
+    on a CPU. Bf16 weights on a CPU without native bf16: None, and every step runs on
+    them with fp32 compute wherever that is faster (``packed_gemm.UpcastLinear``;
+    nothing is copied, in the cache or not)."""
+    form = packed_gemm.form(model)
+    if form is None:
         return True
+    if form == "upcast":
+        return None
     cache = host.l3_cache_bytes() or 32 * 2**20
     return True if packed_gemm.weight_bytes(model) <= cache else None
 

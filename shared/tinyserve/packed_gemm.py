@@ -19,6 +19,14 @@ puts dense weights back for as long as a caller needs them (saving a
 checkpoint). A tied output projection is the embedding table itself and is not
 packed (that would copy the table); oneDNN multiplies the plain table instead.
 
+On a CPU without native bf16 (no AVX512-BF16, AMX or AVX-NE-CONVERT: an AMD EPYC
+Zen 3, most desktop CPUs), oneDNN will not pack bf16, and a bf16 GEMM of many rows
+runs far below an fp32 one. There the same ``PackedWeights`` keep the bf16
+weights as they are (``UpcastLinear``, form "upcast"): a GEMM of few rows reads the
+bf16 weight directly (a read-bound product reads half the bytes of fp32), and one
+of more rows multiplies fp32 copies of the weight made chunk by chunk in one small
+scratch buffer: fp32 compute on bf16 storage.
+
 With ``enforce_eager=None`` (``PackedDecode(..., choose=True)``) the engine first
 times the first few layers of a decode step of each batch-size bucket both ways,
 dense eager against packed (a packed copy of those layers only, whose weights
@@ -71,6 +79,13 @@ CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
 # and bf16, 1 and 2 threads); the few rows that pad a call to 4 cost nothing at a
 # weight-read-bound batch.
 MIN_ROWS = 4
+# Bf16 weights on a CPU without native bf16 ("upcast"): from UPCAST_MIN_ROWS rows on, a
+# GEMM multiplies fp32 copies of its weight, UPCAST_SCRATCH_BYTES at a time. Qwen2.5-0.5B's
+# GEMMs on an AMD EPYC Zen 3 (2 threads), bf16 F.linear against this: about equal at 4
+# rows, 1.8x (head) to 2.3x (gate_up) slower at 8, 3.6-4.7x at 32, 6-7x at 128 and 512;
+# at 1 and 2 rows the direct bf16 product is 2-3x faster. A 4 MiB buffer beat 1 and 16 MiB.
+UPCAST_MIN_ROWS = 6
+UPCAST_SCRATCH_BYTES = 4 * 2**20
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -94,11 +109,22 @@ def packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def supported(model: LlamaForServing) -> bool:
-    """CPU weights of a dtype oneDNN packs here (``packs``), with a torch built with
-    oneDNN (x86 and ARM wheels are)."""
+def form(model: LlamaForServing) -> str | None:
+    """How ``PackedWeights`` hold this model's weights here: "packed" where oneDNN packs
+    their dtype (``packs``; a torch built with oneDNN, as x86 and ARM wheels are),
+    "upcast" for bf16 weights where it does not (no native bf16: ``UpcastLinear``),
+    None elsewhere (GPU weights, fp16)."""
     weight = model.lm_head.weight
-    return ENABLED and weight.device.type == "cpu" and packs(weight.dtype)
+    if not ENABLED or weight.device.type != "cpu" or not onednn_available():
+        return None
+    if packs(weight.dtype):
+        return "packed"
+    return "upcast" if weight.dtype == torch.bfloat16 else None
+
+
+def supported(model: LlamaForServing) -> bool:
+    """Whether ``PackedWeights`` serve this model here (``form``)."""
+    return form(model) is not None
 
 
 def weight_bytes(model: LlamaForServing) -> int:
@@ -132,23 +158,104 @@ def return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-class MergedLinear:
-    """Several projections of the same input (q, k, v; or gate, up) as one packed GEMM,
-    whose output is split back into the projections'."""
+def upcast_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scratch: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T + bias`` for bf16 ``x`` and ``weight`` on a CPU without native bf16:
+    directly below ``UPCAST_MIN_ROWS`` rows, else in fp32, the weight copied to fp32
+    ``scratch`` one chunk of output rows at a time (the copy stays in the cache)."""
+    if x.shape[0] < UPCAST_MIN_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    x32, rows = x.float(), max(1, scratch.numel() // weight.shape[1])
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        chunk = weight[start:start + rows]
+        parts.append(onednn_matmul(x32, scratch[:chunk.numel()].view(chunk.shape).copy_(chunk), None))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
 
-    def __init__(self, linears: list[torch.nn.Linear], hint: int = PACK_HINT):
+
+def upcast_scratch(model: LlamaForServing) -> torch.Tensor:
+    """The fp32 buffer every ``upcast_matmul`` of the model shares (steps run one at a
+    time): ``UPCAST_SCRATCH_BYTES``, or one row of its widest weight if that is more."""
+    widest = max(p.shape[-1] for p in model.parameters() if p.dim() == 2)
+    with torch.inference_mode(False):       # a normal tensor: writable in and out of it
+        return torch.empty(max(UPCAST_SCRATCH_BYTES // 4, widest))
+
+
+def _merged(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The projections' weights (and biases, zeros where one has none) as one."""
+    weight = torch.cat([l.weight.detach() for l in linears]).contiguous()
+    if all(l.bias is None for l in linears):
+        return weight, None
+    return weight, torch.cat([l.bias.detach() if l.bias is not None
+                              else torch.zeros(l.out_features, dtype=weight.dtype) for l in linears])
+
+
+class Projections:
+    """Several projections of the same input (q, k, v; or gate, up) as one GEMM, whose
+    output is split back into the projections'; subclasses hold the weight in a form."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
         self.linears = linears
         self.widths = [l.out_features for l in linears]
-        weight = torch.cat([l.weight.detach() for l in linears])
-        biases = [l.bias for l in linears]
-        self.has_bias = any(b is not None for b in biases)
-        bias = torch.cat([b.detach() if b is not None else torch.zeros(l.out_features, dtype=weight.dtype)
-                          for b, l in zip(biases, linears)]) if self.has_bias else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
-        self.bias = bias
-        self.padded: torch.Tensor | None = None      # input rows padded to MIN_ROWS
+        self.has_bias = any(l.bias is not None for l in linears)
+        self.bias: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.matmul(x)
+        return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
+
+    def release(self) -> None:
+        """Leave the dense parameters on the meta device: this object holds the weight."""
+        for linear in self.linears:
+            for name in ("weight", "bias"):
+                p = getattr(linear, name)
+                if p is not None and not p.is_meta:
+                    setattr(linear, name, torch.nn.Parameter(p.to("meta"), requires_grad=False))
+
+    def restore(self) -> None:
+        """Dense parameters again, from the form held here."""
+        weights = self.dense_weight().split(self.widths)
+        biases = self.bias.split(self.widths) if self.has_bias else [None] * len(self.linears)
+        for linear, w, b in zip(self.linears, weights, biases):
+            linear.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+
+
+class UpcastLinear(Projections):
+    """The projections on their bf16 weights, merged, through ``upcast_matmul``."""
+
+    def __init__(self, linears: list[torch.nn.Linear], scratch: torch.Tensor):
+        super().__init__(linears)
+        self.weight, self.bias = _merged(linears)
+        self.scratch = scratch
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return upcast_matmul(x, self.weight, self.bias, self.scratch)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
+
+
+class MergedLinear(Projections):
+    """The projections as one GEMM on a copy of their weights packed for oneDNN."""
+
+    def __init__(self, linears: list[torch.nn.Linear], hint: int = PACK_HINT):
+        super().__init__(linears)
+        weight, self.bias = _merged(linears)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
+        self.padded: torch.Tensor | None = None      # input rows padded to MIN_ROWS
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows < MIN_ROWS:
             # One buffer per GEMM: its other rows hold zeros or an earlier call's rows (finite
@@ -158,37 +265,22 @@ class MergedLinear:
                     self.padded = x.new_zeros(MIN_ROWS, x.shape[1])
             self.padded[:rows] = x
             x = self.padded
-        out = onednn_matmul(x, self.packed, self.bias)[:rows]
-        return (out,) if len(self.widths) == 1 else out.split(self.widths, dim=-1)
+        return onednn_matmul(x, self.packed, self.bias)[:rows]
 
-    def release(self) -> None:
-        """Leave the dense parameters on the meta device: the packed copy is the weight."""
-        for linear in self.linears:
-            for name in ("weight", "bias"):
-                p = getattr(linear, name)
-                if p is not None and not p.is_meta:
-                    setattr(linear, name, torch.nn.Parameter(p.to("meta"), requires_grad=False))
-
-    def restore(self) -> None:
-        """Dense parameters again, unpacked from the packed copy."""
-        weights = self.packed.to_dense().split(self.widths)
-        biases = self.bias.split(self.widths) if self.has_bias else [None] * len(self.linears)
-        for linear, w, b in zip(self.linears, weights, biases):
-            linear.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
-            if linear.bias is not None:
-                linear.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+    def dense_weight(self) -> torch.Tensor:
+        return self.packed.to_dense()
 
 
 class PackedLayer:
     """One decoder layer's GEMMs on packed weights (what ``Attention`` and ``MLP``
-    call when given one)."""
+    call when given one); ``merge`` makes each merged GEMM (default: ``MergedLinear``)."""
 
-    def __init__(self, layer, hint: int = PACK_HINT):
+    def __init__(self, layer, merge: Callable[[list], Projections] = MergedLinear):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj], hint)
-        self.gate_up = MergedLinear([mlp.gate_proj, mlp.up_proj], hint)
-        self.o = MergedLinear([attn.o_proj], hint)
-        self.down = MergedLinear([mlp.down_proj], hint)
+        self.qkv = merge([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = merge([mlp.gate_proj, mlp.up_proj])
+        self.o = merge([attn.o_proj])
+        self.down = merge([mlp.down_proj])
         self.merged = (self.qkv, self.gate_up, self.o, self.down)
 
     def project_qkv(self, x: torch.Tensor):
@@ -205,26 +297,31 @@ class PackedLayer:
 
 
 class PackedWeights:
-    """Every GEMM of the model on one packed copy of its weights. ``release=True``
-    drops each dense weight as soon as it is packed (one copy at every moment);
-    otherwise both copies live until ``release()`` or until this object is dropped."""
+    """Every GEMM of the model on one packed copy of its weights (``form`` "packed"), or
+    on its bf16 weights computed in fp32 (``form`` "upcast", CPUs without native bf16).
+    ``release=True`` drops each dense weight as soon as it is packed (one copy at every
+    moment); otherwise both copies live until ``release()`` or until this object is dropped."""
 
     def __init__(self, model: LlamaForServing, hint: int = PACK_HINT, release: bool = False):
         self.model = model
+        self.form = form(model) or "packed"
+        self.scratch = upcast_scratch(model) if self.form == "upcast" else None
+        merge = (functools.partial(UpcastLinear, scratch=self.scratch) if self.form == "upcast"
+                 else functools.partial(MergedLinear, hint=hint))
         self.layers = []
         for layer in model.model.layers:
-            self.layers.append(PackedLayer(layer, hint))
+            self.layers.append(PackedLayer(layer, merge))
             if release:
                 for merged in self.layers[-1].merged:
                     merged.release()
                 return_freed_memory()           # before the next layer's copy is made
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         # A tied projection stays the embedding table (packing would copy the table).
-        self.head = None if tied else MergedLinear([model.lm_head], hint)
+        self.head = None if tied else merge([model.lm_head])
         if release and self.head is not None:
             self.head.release()
 
-    def _all(self) -> list[MergedLinear]:
+    def _all(self) -> list[Projections]:
         return [m for layer in self.layers for m in layer.merged] + (
             [self.head] if self.head is not None else [])
 
@@ -234,6 +331,8 @@ class PackedWeights:
         # The tied table, unpacked: oneDNN multiplies a plain weight too, about twice as fast
         # as F.linear in fp32 (Qwen2.5-0.5B's 151936 x 896 table, AMD EPYC Zen 4: 21.6 ms
         # against 38.1 at one row, 60.3 against 122.5 at 32), as fast in bf16.
+        if self.form == "upcast":
+            return upcast_matmul(x, self.model.lm_head.weight, None, self.scratch)
         return onednn_matmul(x, self.model.lm_head.weight, None)
 
     def release(self) -> None:
@@ -258,14 +357,18 @@ class PackedDecode:
     """The model on ``PackedWeights`` where that measured faster (or always, pinned).
 
     ``choose=True``: time each bucket at start and keep packing if any bucket chose it;
-    ``choose=False``: pack, with no timing (``enforce_eager=False``)."""
+    ``choose=False``: pack, with no timing (``enforce_eager=False``). Bf16 weights on a
+    CPU without native bf16 (``form`` "upcast") are not timed: each GEMM already takes
+    the faster of its two ways by its row count (``upcast_matmul``), and the steps it
+    speeds up most (prefill chunks, large batches) are not the decode steps timed here."""
 
     def __init__(self, model: LlamaForServing, kv_cache: KVCache, sizes: tuple[int, ...],
                  scratch_slot: int, choose: bool = True):
         self.model, self.kv_cache = model, kv_cache
         self.sizes = tuple(sorted(sizes))
         self.scratch_slot = scratch_slot        # where timing rows write their K and V
-        self.choose = choose and CHOOSE_FASTER
+        self.form = form(model)
+        self.choose = choose and CHOOSE_FASTER and self.form == "packed"
         self.weights: PackedWeights | None = None
         self.pack_seconds = 0.0
         self.warm_up_seconds = 0.0      # packing and choosing, at start
@@ -324,6 +427,10 @@ class PackedDecode:
 
     def describe(self) -> str:
         """One line: the weights every step runs on, and what each bucket measured."""
+        if self.form == "upcast":
+            return (f"bf16 weights on a CPU without native bf16 (oneDNN packs no bf16 here): "
+                    f"GEMMs of {UPCAST_MIN_ROWS} rows or more compute in fp32 on the bf16 weights, "
+                    "fewer rows in bf16; every step runs on them")
         if not self.choose:
             return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s (pinned: "
                     "enforce_eager=False); every step runs on them")
