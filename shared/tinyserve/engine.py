@@ -239,11 +239,12 @@ class LLM:
     ``step_stats_window``: how many recent steps ``engine.step_stats`` keeps.
     ``enforce_eager=False``: on a CPU (fp32; bf16 where oneDNN packs it) every step
     runs on weights packed once for oneDNN, which replace the dense ones
-    (``packed_gemm.py``); elsewhere pure decode steps of each batch bucket up to
+    (``packed_gemm.py``); bf16 on a CPU without native bf16 keeps its weights and
+    computes GEMMs of several rows in fp32 (``packed_gemm.UpcastLinear``); elsewhere pure decode steps of each batch bucket up to
     ``max_num_seqs`` run on one compiled graph per bucket (``torch.compile``;
     ``compiled_step.py``). ``None`` picks the default (``default_enforce_eager``:
     on a CPU with weights larger than its cache, packed if a decode step timed at
-    start found that faster, else eager; the choice is logged and kept in
+    start found that faster, else eager; bf16 without native bf16: the fp32 compute; the choice is logged and kept in
     ``engine.executor.decode_path``).
     """
 
