@@ -82,8 +82,8 @@ MIN_ROWS = 4
 # Bf16 weights on a CPU without native bf16 ("upcast"): from UPCAST_MIN_ROWS rows on, a
 # GEMM multiplies fp32 copies of its weight, UPCAST_SCRATCH_BYTES at a time. Qwen2.5-0.5B's
 # GEMMs on an AMD EPYC Zen 3 (2 threads), bf16 F.linear against this: about equal at 4
-# rows, 1.8x (head) to 2.3x (gate_up) slower at 8, 3.6-4.7x at 32, 6-7x at 128 and 512;
-# at 1 and 2 rows the direct bf16 product is 2-3x faster. A 4 MiB buffer beat 1 and 16 MiB.
+# rows, 1.6-2.0x slower at 8, 3.6-4.7x at 32, 5.6-6.8x at 128 and 512; at 1 and 2 rows
+# the direct bf16 product is 1.3-2.3x faster. A 4 MiB buffer beat 1 and 16 MiB.
 UPCAST_MIN_ROWS = 6
 UPCAST_SCRATCH_BYTES = 4 * 2**20
 
