@@ -38,12 +38,14 @@ def test_packed_greedy_tokens_equal_eager_under_batching_chunking_caching_preemp
 
 class FakeClock:
     """``time.perf_counter`` for the start-up timing: a decoder layer takes 1 ms, or 10 ms
-    on the side made slow (eager, with no packed layer, or packed)."""
+    on the side made slow (eager, with no packed layer, or packed); anything else, 1 ns
+    between two readings (GEMMs timed padded and not: a tie, no padding)."""
 
     def __init__(self, slow: str):
         self.now, self.slow = 0.0, slow
 
     def __call__(self) -> float:
+        self.now += 1e-9
         return self.now
 
     def hook(self, module, args, kwargs):
@@ -73,6 +75,34 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
     dense = {n: p.device.type for n, p in model.named_parameters()}
     assert all(d == "cpu" for d in dense.values()) == (not kept)
     assert (("kept" if kept else "dropped") in path.describe())
+    assert (path.padding is not None) == kept
+    if kept:
+        assert "not padded" in path.describe()
+        assert all(m.pad_to == 1 for m in path.weights._all())
+
+
+def test_one_row_gemms_are_padded_where_padding_measured_faster(monkeypatch):
+    # A clock under which a packed GEMM of one row takes 3 ms unpadded and 1 ms padded.
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    weights = packed_gemm.PackedWeights(model)
+    for m in weights._all():
+        m.pad_to = 1                        # the measurement, not the default, must pad them
+    clock = [0.0]
+    real = packed_gemm.onednn_matmul
+
+    def timed_matmul(x, weight, bias):
+        clock[0] += 0.001 if x.shape[0] >= packed_gemm.MIN_ROWS else 0.003
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(packed_gemm, "onednn_matmul", timed_matmul)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    ratio = weights.choose_padding()
+    monkeypatch.undo()
+    assert ratio.median == pytest.approx(3.0)
+    assert all(m.pad_to == packed_gemm.MIN_ROWS for m in weights._all())
+    x = torch.randn(1, model.config.hidden_size)
+    torch.testing.assert_close(weights.layers[0].o_proj(x), model.model.layers[0].self_attn.o_proj(x),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_choosing_times_a_packed_copy_of_the_first_layers_only(monkeypatch):
@@ -125,9 +155,10 @@ def test_packing_replaces_the_weights_instead_of_copying_them(tied, tmp_path):
     assert linear_bytes_held(llm) == checkpoint
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])     # 1 and 2 are padded to MIN_ROWS inside
+@pytest.mark.parametrize("rows", [1, 2, 5])     # 1 and 2 are padded to MIN_ROWS inside, or not
+@pytest.mark.parametrize("pad_to", [1, packed_gemm.MIN_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_layers_compute_what_the_linear_layers_compute(bias, rows):
+def test_packed_layers_compute_what_the_linear_layers_compute(bias, pad_to, rows):
     config = dataclasses.replace(get_preset("tiny"), qkv_bias=bias, mlp_bias=bias, o_bias=bias)
     model = LlamaForServing.from_seed(config, seed=2)
     with torch.no_grad():
@@ -135,6 +166,8 @@ def test_packed_layers_compute_what_the_linear_layers_compute(bias, rows):
             if name.endswith(".bias"):
                 p.normal_()
     layer, packed = model.model.layers[0], packed_gemm.PackedWeights(model).layers[0]
+    for merged in packed.merged:
+        merged.pad_to = pad_to
     x = torch.randn(rows, config.hidden_size)
     attn, mlp = layer.self_attn, layer.mlp
     for got, linear in zip(packed.project_qkv(x), (attn.q_proj, attn.k_proj, attn.v_proj)):

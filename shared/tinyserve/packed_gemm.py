@@ -74,11 +74,13 @@ CHOOSE_FASTER = True
 # batches are where eager and packed GEMMs differ most, and large eager steps would
 # make start-up slow.
 CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
-# oneDNN's kernels for 1 or 2 rows read a packed weight more slowly than its 4-row
-# kernel does (every GEMM of cpu-bench on an AMD EPYC Zen 4: 1.04-1.37x slower, fp32
-# and bf16, 1 and 2 threads); the few rows that pad a call to 4 cost nothing at a
-# weight-read-bound batch.
-MIN_ROWS = 4
+# On some CPUs oneDNN's kernels for 1 or 2 rows read a packed weight more slowly than
+# its 4-row kernel does (every GEMM of cpu-bench on an AMD EPYC Zen 4: 1.04-1.37x slower,
+# fp32 and bf16, 1 and 2 threads), and the few rows that pad a call to 4 cost nothing at
+# a weight-read-bound batch; on others the 1-row kernel is the faster (an AMD EPYC Zen 3,
+# AVX2: cpu-bench's GEMMs at 1 row 13.9 ms a step, padded 19.4). ``PackedDecode`` times
+# both at start (``PackedWeights.choose_padding``, PAD_PAIRS interleaved pairs).
+MIN_ROWS, PAD_PAIRS = 4, 7
 # Bf16 weights on a CPU without native bf16 ("upcast"): from UPCAST_MIN_ROWS rows on, a
 # GEMM multiplies fp32 copies of its weight, UPCAST_SCRATCH_BYTES at a time. Qwen2.5-0.5B's
 # GEMMs on an AMD EPYC Zen 3 (2 threads), bf16 F.linear against this: about equal at 4
@@ -252,17 +254,19 @@ class MergedLinear(Projections):
     def __init__(self, linears: list[torch.nn.Linear], hint: int = PACK_HINT):
         super().__init__(linears)
         weight, self.bias = _merged(linears)
+        self.in_features = weight.shape[1]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
-        self.padded: torch.Tensor | None = None      # input rows padded to MIN_ROWS
+        self.pad_to = MIN_ROWS                       # fewer input rows are padded to this many
+        self.padded: torch.Tensor | None = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows < MIN_ROWS:
+        if rows < self.pad_to:
             # One buffer per GEMM: its other rows hold zeros or an earlier call's rows (finite
             # values, never denormal garbage), and their outputs are dropped.
-            if self.padded is None:
+            if self.padded is None or self.padded.shape[0] != self.pad_to:
                 with torch.inference_mode(False):   # a normal tensor: writable in and out of it
-                    self.padded = x.new_zeros(MIN_ROWS, x.shape[1])
+                    self.padded = x.new_zeros(self.pad_to, x.shape[1])
             self.padded[:rows] = x
             x = self.padded
         return onednn_matmul(x, self.packed, self.bias)[:rows]
@@ -335,6 +339,27 @@ class PackedWeights:
             return upcast_matmul(x, self.model.lm_head.weight, None, self.scratch)
         return onednn_matmul(x, self.model.lm_head.weight, None)
 
+    def choose_padding(self, pairs: int = PAD_PAIRS):
+        """Pad GEMMs of fewer than ``MIN_ROWS`` rows to that many, or not, as measured here:
+        every packed GEMM of the model at one row (streamed from memory, as a decode step
+        streams them), unpadded against padded, in interleaved pairs (``host.PairedRatio``
+        of unpadded time / padded time); padding is kept when most pairs found it faster."""
+        gemms = [m for m in self._all() if isinstance(m, MergedLinear)]
+        rows = {w: torch.randn(1, w, dtype=self.model.lm_head.weight.dtype)
+                for w in {m.in_features for m in gemms}}
+
+        def step(pad_to: int):
+            def run():
+                for m in gemms:
+                    m.pad_to = pad_to
+                    m.matmul(rows[m.in_features])
+            return run
+
+        ratio = paired_ratio(step(1), step(MIN_ROWS), pairs=pairs)
+        for m in gemms:
+            m.pad_to = MIN_ROWS if ratio.low > 1.0 else 1
+        return ratio
+
     def release(self) -> None:
         """From now on the packed copy is the only one."""
         for merged in self._all():
@@ -377,6 +402,7 @@ class PackedDecode:
         self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
         self.layers_timed = 0           # choosing: the decoder layers timed per bucket
+        self.padding = None             # packed: PairedRatio of 1-row GEMMs unpadded / padded
 
     def weights_for(self, decode: bool) -> PackedWeights | None:
         """The packed weights every step runs on while they are kept (None: the dense
@@ -403,6 +429,8 @@ class PackedDecode:
             packing = time.perf_counter()
             self.weights = PackedWeights(self.model, release=True)
             self.pack_seconds = time.perf_counter() - packing
+            if self.form == "packed":
+                self.padding = self.weights.choose_padding()
         return_freed_memory()
         self.warm_up_seconds = time.perf_counter() - started
         log.info("%s", self.describe())
@@ -431,15 +459,19 @@ class PackedDecode:
             return (f"bf16 weights on a CPU without native bf16 (oneDNN packs no bf16 here): "
                     f"GEMMs of {UPCAST_MIN_ROWS} rows or more compute in fp32 on the bf16 weights, "
                     "fewer rows in bf16; every step runs on them")
+        padding = "" if self.padding is None else (
+            f"; GEMMs of fewer than {MIN_ROWS} rows "
+            + ("padded to " + str(MIN_ROWS) if self.padding.low > 1.0 else "not padded")
+            + f" (1 row unpadded / padded: {self.padding})")
         if not self.choose:
             return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s (pinned: "
-                    "enforce_eager=False); every step runs on them")
+                    f"enforce_eager=False); every step runs on them{padding}")
         parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.choices]
         kept = ("packed weights kept, every step runs on them" if self.weights is not None
                 else "every bucket chose eager: packing dropped")
         return (f"{kept}; first {self.layers_timed} of {self.model.config.num_hidden_layers} layers "
                 f"of a decode step per bucket (eager time / packed time, median of "
-                f"{CHOICE_PAIRS} pairs at start): " + ", ".join(parts))
+                f"{CHOICE_PAIRS} pairs at start): " + ", ".join(parts) + padding)
 
 
 PACKED_PATHS = ("mkl", "onednn")
