@@ -3,6 +3,7 @@
 claim that rests on it must fail in strict mode."""
 
 import json
+import math
 import random
 
 import pytest
@@ -54,7 +55,9 @@ def test_reader_mode_prints_a_verdict_and_never_raises(reader, capsys):
     assert claims.summary([held, gone]).splitlines()[-1] == "1 of 2 hold on this machine"
 
 
-HOLD, FAIL = 1.0, 0.1                                    # measured values; predicted 1.0, band 0.75-1.33
+# Measured values; predicted 1.0, band 0.75-1.33. HOLD holds but not clearly (the clear band is
+# 0.9375-1.064), so two of three decides.
+HOLD, FAIL = 0.8, 0.1
 
 
 @pytest.mark.parametrize("outcomes, holds, reported", [
@@ -84,6 +87,42 @@ def test_strict_mode_decides_by_two_of_three_attempts(strict, outcomes, holds, r
     assert [h["measured"] for h in record["history"]] == [a.measured for a in verdict.history]
     assert record["reported"] == reported and record["holds"] is holds
     assert "三次取二 " + "".join("✓" if m == HOLD else "✗" for m in outcomes) in verdict.line()
+    assert not verdict.clear
+
+
+def test_a_first_attempt_well_inside_the_band_decides_alone_in_strict_mode(strict, capsys):
+    """1.0 against 0.75-1.33 is 1.25x inside both bounds: no second measurement."""
+    again = Remeasure((0.1, 1.0))
+    verdict = claims.check("C06", "fusion pays", 1.0, predicted=1.0, expect=claims.ratio_between(0.75, 1.33),
+                           measure=again)
+    assert verdict.holds and verdict.clear and verdict.attempts == 1 and again.attempts == []
+    assert "一次即定" in capsys.readouterr().out and verdict.as_dict()["clear"] is True
+
+
+def test_a_clear_first_attempt_never_saves_a_failure_nor_skips_it_in_a_readers_session(reader):
+    again = Remeasure(1.0)
+    failed = claims.check("C06", "fusion pays", 0.1, predicted=1.0, expect=claims.ratio_between(0.75, 1.33),
+                          measure=again)
+    assert not failed.holds and not failed.clear and again.attempts == []   # a reader measures once anyway
+    assert not claims.check("C06", "fusion pays", 1.0, predicted=1.0, expect=claims.ratio_between(0.75, 1.33),
+                            measure=again).clear                            # only strict mode decides early
+
+
+@pytest.mark.parametrize("expect, clear, near", [
+    (claims.at_least(1.2), [1.5, 10.0, 1e9], [1.2, 1.49]),
+    (claims.at_most(0.1), [0.08, 0.0, -5.0], [0.1, 0.081]),
+    (claims.between(0.7, 2.0), [0.875, 1.3, 1.6], [0.7, 0.87, 1.61, 2.0]),
+    (claims.between(0.7, 0.8), [], [0.7, 0.75, 0.8]),                       # too narrow to have a clear band
+    (claims.at_least(0.0), [], [0.0, 5.0]),                                 # no factor moves a bound at 0
+    (claims.ratio_between(1.5, math.inf), [1.875 * 2, 100.0], [1.5 * 2, 1.87 * 2]),
+    (claims.equals(3), [], [3]),
+    (claims.is_true(), [], [True]),
+])
+def test_the_clear_band_is_the_accepted_band_narrowed_by_clear_at_each_finite_bound(expect, clear, near):
+    predicted = 2.0 if "predicted" in expect.text else None
+    assert all(expect(m, predicted) and expect.clear(m, predicted) for m in clear), clear
+    assert all(expect(m, predicted) and not expect.clear(m, predicted) for m in near), near
+    assert not expect.clear(float("nan"), predicted) and not expect.clear(None, predicted)
 
 
 def test_a_property_that_holds_half_the_time_fails_strict_mode_half_the_time(strict, capsys):
@@ -282,9 +321,9 @@ def test_fusion_fails_when_the_fused_kernel_is_the_unfused_chain(strict, monkeyp
 
 
 def test_per_attempt_runs_an_experiment_once_per_attempt_for_every_claim_on_it(strict):
-    runs = iter([(0.1, 9.0), (1.0, 1.0)])              # attempt 2 fails both claims, attempt 3 holds both
-    again = claims.per_attempt(lambda: next(runs))
-    first = claims.check("C11", "share", 1.0, expect=claims.between(0.5, 2), measure=lambda a: again(a)[0])
-    second = claims.check("C11", "gain", 1.0, expect=claims.between(0.5, 2), measure=lambda a: again(a)[1])
-    assert [a.measured for a in first.history] == [1.0, 0.1, 1.0]
-    assert [a.measured for a in second.history] == [1.0, 9.0, 1.0]     # the same runs, not new ones
+    runs = iter([(0.1, 9.0), (0.6, 0.6)])              # attempt 2 fails both claims, attempt 3 holds both
+    again = claims.per_attempt(lambda: next(runs))     # (0.6 holds in 0.5-2 but not clearly: 0.625-1.6)
+    first = claims.check("C11", "share", 0.6, expect=claims.between(0.5, 2), measure=lambda a: again(a)[0])
+    second = claims.check("C11", "gain", 0.6, expect=claims.between(0.5, 2), measure=lambda a: again(a)[1])
+    assert [a.measured for a in first.history] == [0.6, 0.1, 0.6]
+    assert [a.measured for a in second.history] == [0.6, 9.0, 0.6]     # the same runs, not new ones
