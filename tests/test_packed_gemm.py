@@ -77,7 +77,7 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
     assert (("kept" if kept else "dropped") in path.describe())
     assert (path.padding is not None) == kept
     if kept:
-        assert "not padded" in path.describe()
+        assert "not padded" in path.describe() and path.weights.pad_to == 1
         assert all(m.pad_to == 1 for m in path.weights._all())
 
 
@@ -99,6 +99,7 @@ def test_one_row_gemms_are_padded_where_padding_measured_faster(monkeypatch):
     ratio = weights.choose_padding()
     monkeypatch.undo()
     assert ratio.median == pytest.approx(3.0)
+    assert weights.pad_to == packed_gemm.MIN_ROWS
     assert all(m.pad_to == packed_gemm.MIN_ROWS for m in weights._all())
     x = torch.randn(1, model.config.hidden_size)
     torch.testing.assert_close(weights.layers[0].o_proj(x), model.model.layers[0].self_attn.o_proj(x),

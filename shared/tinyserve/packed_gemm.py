@@ -324,6 +324,7 @@ class PackedWeights:
         self.head = None if tied else merge([model.lm_head])
         if release and self.head is not None:
             self.head.release()
+        self.pad_to = MIN_ROWS          # packed: what every MergedLinear pads to (choose_padding)
 
     def _all(self) -> list[Projections]:
         return [m for layer in self.layers for m in layer.merged] + (
@@ -341,9 +342,10 @@ class PackedWeights:
 
     def choose_padding(self, pairs: int = PAD_PAIRS):
         """Pad GEMMs of fewer than ``MIN_ROWS`` rows to that many, or not, as measured here:
-        every packed GEMM of the model at one row (streamed from memory, as a decode step
-        streams them), unpadded against padded, in interleaved pairs (``host.PairedRatio``
-        of unpadded time / padded time); padding is kept when most pairs found it faster."""
+        every packed GEMM of the model at one row, in a decode step's order (from memory
+        where the weights outgrow the last-level cache, as a step reads them), unpadded
+        against padded, in interleaved pairs (``host.PairedRatio`` of unpadded time / padded
+        time); padding is kept (``pad_to``) when most pairs found it faster."""
         gemms = [m for m in self._all() if isinstance(m, MergedLinear)]
         rows = {w: torch.randn(1, w, dtype=self.model.lm_head.weight.dtype)
                 for w in {m.in_features for m in gemms}}
@@ -356,8 +358,9 @@ class PackedWeights:
             return run
 
         ratio = paired_ratio(step(1), step(MIN_ROWS), pairs=pairs)
+        self.pad_to = MIN_ROWS if ratio.low > 1.0 else 1
         for m in gemms:
-            m.pad_to = MIN_ROWS if ratio.low > 1.0 else 1
+            m.pad_to = self.pad_to
         return ratio
 
     def release(self) -> None:
@@ -461,7 +464,7 @@ class PackedDecode:
                     "fewer rows in bf16; every step runs on them")
         padding = "" if self.padding is None else (
             f"; GEMMs of fewer than {MIN_ROWS} rows "
-            + ("padded to " + str(MIN_ROWS) if self.padding.low > 1.0 else "not padded")
+            + (f"padded to {MIN_ROWS}" if self.weights.pad_to > 1 else "not padded")
             + f" (1 row unpadded / padded: {self.padding})")
         if not self.choose:
             return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s (pinned: "
