@@ -56,7 +56,7 @@ def test_reader_mode_prints_a_verdict_and_never_raises(reader, capsys):
 
 
 # Measured values; predicted 1.0, band 0.75-1.33. HOLD holds but not clearly (the clear band is
-# 0.9375-1.064), so two of three decides.
+# its middle half on a log scale, 0.866-1.153), so two of three decides.
 HOLD, FAIL = 0.8, 0.1
 
 
@@ -91,7 +91,7 @@ def test_strict_mode_decides_by_two_of_three_attempts(strict, outcomes, holds, r
 
 
 def test_a_first_attempt_well_inside_the_band_decides_alone_in_strict_mode(strict, capsys):
-    """1.0 against 0.75-1.33 is 1.25x inside both bounds: no second measurement."""
+    """1.0 against 0.75-1.33 is in the band's middle half: no second measurement."""
     again = Remeasure((0.1, 1.0))
     verdict = claims.check("C06", "fusion pays", 1.0, predicted=1.0, expect=claims.ratio_between(0.75, 1.33),
                            measure=again)
@@ -112,7 +112,8 @@ def test_a_clear_first_attempt_never_saves_a_failure_nor_skips_it_in_a_readers_s
     (claims.at_least(1.2), [1.5, 10.0, 1e9], [1.2, 1.49]),
     (claims.at_most(0.1), [0.08, 0.0, -5.0], [0.1, 0.081]),
     (claims.between(0.7, 2.0), [0.875, 1.3, 1.6], [0.7, 0.87, 1.61, 2.0]),
-    (claims.between(0.7, 0.8), [], [0.7, 0.75, 0.8]),                       # too narrow to have a clear band
+    (claims.between(0.75, 1.33), [0.87, 1.0, 1.15], [0.75, 0.86, 1.16, 1.33]),  # narrow: its middle half
+    (claims.between(0.7, 0.8), [0.73, 0.77], [0.7, 0.72, 0.78, 0.8]),
     (claims.at_least(0.0), [], [0.0, 5.0]),                                 # no factor moves a bound at 0
     (claims.ratio_between(1.5, math.inf), [1.875 * 2, 100.0], [1.5 * 2, 1.87 * 2]),
     (claims.equals(3), [], [3]),

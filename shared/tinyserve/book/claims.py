@@ -18,8 +18,8 @@ value given is attempt 1, ``measure(2)`` and ``measure(3)`` are attempts 2 and 3
 and the claim holds when two attempts hold. Measuring stops as soon as the outcome
 is decided (two held, or two failed). One more rule, fixed in advance too: an
 attempt 1 that lands well inside the accepted band, a factor ``CLEAR`` (1.25) inside
-each of its finite bounds (``Expect.clear``; a band with a bound at 0 or below has
-none), decides alone. Busy-machine noise moves a timing by a few tens of percent, so
+each of its finite bounds, or in the middle half (log scale) of a band too narrow for
+that (``Expect.clear``; a band with a bound at 0 or below has none), decides alone. Busy-machine noise moves a timing by a few tens of percent, so
 re-measuring pays near a bound, not deep inside it: a claim that holds clearly costs
 one measurement, one near its bound two or three. A property that holds with
 probability p on one attempt, and clearly with probability q, passes with probability
@@ -62,7 +62,7 @@ from typing import Any, Callable, NamedTuple
 STRICT_ENV = "TINYSERVE_CLAIMS"
 FORCE_FALSE_ENV = "TINYSERVE_CLAIMS_FORCE_FALSE"
 ATTEMPTS, NEEDED = 3, 2     # strict mode: a timed claim holds when NEEDED of ATTEMPTS attempts hold
-CLEAR = 1.25                # ... or when attempt 1 is this factor inside each finite bound
+CLEAR = 1.25                # ... or when attempt 1 is this factor inside each finite bound (_narrowed)
 
 
 # --------------------------------------------------------------------------- the registry
@@ -261,13 +261,13 @@ def _safely(test, measured, predicted) -> bool:
 
 
 def _narrowed(lo: float, hi: float) -> tuple[float, float] | None:
-    """[lo, hi] narrowed by ``CLEAR`` at each finite bound (an infinite one stays); None
-    when a finite bound is 0 or below (no factor moves it) or nothing is left."""
-    if any(math.isfinite(b) and b <= 0 for b in (lo, hi)):
+    """[lo, hi] narrowed at each finite bound by ``CLEAR``, or, for a band narrower than
+    that allows, to its middle half on a log scale (an infinite bound stays); None when a
+    finite bound is 0 or below (no factor moves it)."""
+    if any(math.isfinite(b) and b <= 0 for b in (lo, hi)) or not lo < hi:
         return None
-    lo = lo * CLEAR if math.isfinite(lo) else lo
-    hi = hi / CLEAR if math.isfinite(hi) else hi
-    return (lo, hi) if lo < hi else None
+    factor = min(CLEAR, (hi / lo) ** 0.25) if math.isfinite(lo) and math.isfinite(hi) else CLEAR
+    return (lo * factor if math.isfinite(lo) else lo), (hi / factor if math.isfinite(hi) else hi)
 
 
 def _band(lo: float, hi: float, text: str, of=lambda m, p: m) -> Expect:
@@ -361,7 +361,7 @@ class Verdict:
             numbers += (f"；三次取二 {marks}：measured "
                         + " / ".join(_fmt(a.measured) for a in self.history))
         elif self.clear:
-            numbers += f"；远在范围之内（每个界留 {CLEAR:g} 倍余量），一次即定"
+            numbers += f"；远在范围之内（离每个界至少 {CLEAR:g} 倍，窄的范围取中间一半），一次即定"
         where = "模拟" if self.simulated else "本机"
         if self.holds:
             return f"✓ {where}成立 [{self.claim_id}]：{self.what}（{numbers}）"
