@@ -19,10 +19,11 @@ and the claim holds when two attempts hold. Measuring stops as soon as the outco
 is decided (two held, or two failed). One more rule, fixed in advance too: an
 attempt 1 that lands well inside the accepted band, a factor ``CLEAR`` (1.25) inside
 each of its finite bounds, or in the middle half (log scale) of a band too narrow for
-that (``Expect.clear``; a band with a bound at 0 or below has none), decides alone. Busy-machine noise moves a timing by a few tens of percent, so
-re-measuring pays near a bound, not deep inside it: a claim that holds clearly costs
-one measurement, one near its bound two or three. A property that holds with
-probability p on one attempt, and clearly with probability q, passes with probability
+that (``Expect.clear``; a band with a bound at 0 or below has none), decides alone.
+Re-measuring pays near a bound, where a busy moment can flip an attempt, more than
+deep inside the band: a claim that holds clearly costs one measurement, one near its
+bound two or three. A property that holds with probability p on one attempt, and
+clearly with probability q, passes with probability
 q + (p - q)(1 - (1 - p)^2) + (1 - p)p^2; with q = 0 that is two of three,
 p^3 + 3p^2(1 - p): 0.5 for p = 0.5 (retrying until one attempt held passed 0.875),
 0.97 for p = 0.9. Exact relations (``equals``, ``is_true``, a custom ``Expect``)
@@ -62,7 +63,7 @@ from typing import Any, Callable, NamedTuple
 STRICT_ENV = "TINYSERVE_CLAIMS"
 FORCE_FALSE_ENV = "TINYSERVE_CLAIMS_FORCE_FALSE"
 ATTEMPTS, NEEDED = 3, 2     # strict mode: a timed claim holds when NEEDED of ATTEMPTS attempts hold
-CLEAR = 1.25                # ... or when attempt 1 is this factor inside each finite bound (_narrowed)
+CLEAR = 1.25                # ... or attempt 1 alone, this factor inside each bound (_narrowed)
 
 
 # --------------------------------------------------------------------------- the registry
@@ -238,8 +239,8 @@ def guide_table(guide_path) -> str:
 class Expect:
     """An accepted relation: ``test(measured, predicted) -> bool`` and how to say it.
 
-    ``inner`` is the same relation with its band narrowed by ``CLEAR`` (None: no band to
-    narrow); ``clear`` asks it."""
+    ``inner`` is the same relation on the band's clear region (``_narrowed``; None: it
+    has none); ``clear`` asks it."""
 
     test: Callable[[Any, Any], bool]
     text: str
@@ -249,7 +250,7 @@ class Expect:
         return _safely(self.test, measured, predicted)
 
     def clear(self, measured, predicted=None) -> bool:
-        """Inside the band by the factor ``CLEAR`` at each finite bound."""
+        """Well inside the band: in its clear region (``_narrowed``)."""
         return self.inner is not None and _safely(self.inner, measured, predicted)
 
 
@@ -300,7 +301,7 @@ def at_most(hi: float) -> Expect:
 
 def ratio_between(lo: float, hi: float) -> Expect:
     """measured / predicted within [lo, hi]."""
-    return _band(lo, hi, f"measured/predicted in [{lo:g}, {hi:g}]", 
+    return _band(lo, hi, f"measured/predicted in [{lo:g}, {hi:g}]",
                  lambda m, p: m / p if _finite(p) and p != 0 else math.nan)
 
 

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--guide", metavar="PATH",
                         help="rewrite the claims table of the instructor guide at PATH from the registry, then stop")
     parser.add_argument("--strict", action="store_true",
-                        help="decide each timed claim by two of three attempts (or one well inside its band); exit 1 if any claim fails")
+                        help="decide each timed claim by two of three attempts (or by one well inside "
+                             "its band); exit 1 if any claim fails")
     args = parser.parse_args(argv)
     if args.guide:
         guide = Path(args.guide)
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
     print(chapter_table(rows))
     print(f"checked in {seconds:.0f} s")
     report = {"machine": machine.as_dict(), "python": platform.python_version(), "seconds": seconds,
-              "rule": f"strict: {claims.NEEDED} of {claims.ATTEMPTS} attempts, or attempt 1 {claims.CLEAR:g}x inside the band" if args.strict else "one attempt",
+              "rule": (f"strict: {claims.NEEDED} of {claims.ATTEMPTS} attempts, or attempt 1 alone "
+                       "well inside the band (claims.CLEAR)") if args.strict else "one attempt",
               "claims": [{"id": c.id, "section": c.section, "statement": c.statement, "how": c.how,
                           "kind": _kind(c, v), "verdict": None if v is None else v.as_dict()} for c, v in rows],
               "failed": failed}

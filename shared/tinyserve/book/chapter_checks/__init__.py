@@ -4,7 +4,8 @@
 that predicts, measures and returns the ``claims.check`` verdict, in chapter order
 (``tinyserve.book.make_claims`` runs them). Two kinds, one module each:
 
-* ``measured``: timed on this CPU; strict mode decides each by two of three attempts (or one well inside its band);
+* ``measured``: timed on this CPU; strict mode decides each by two of three attempts
+  (or by one well inside its band);
 * ``deterministic``: datasheet arithmetic, the simulator's clock, or exact counts of a
   real engine run: the same on every machine, never measured again.
 """
