@@ -144,7 +144,7 @@ def test_plots_and_widget_smoke():
     plt.close("all")
 
 
-def test_the_start_up_probe_counts_its_own_memory_and_the_checkpoints_dtype(tmp_path):
+def test_the_start_up_probe_counts_its_own_memory_its_data_and_the_checkpoints_dtype(tmp_path):
     # bench step's start-up probe runs in a process forked from the benchmark: its peak must
     # be its own (getrusage's would include the 600 MiB held here), and a bf16 checkpoint is
     # started in bf16, as the sweeps start it.
@@ -156,5 +156,10 @@ def test_the_start_up_probe_counts_its_own_memory_and_the_checkpoints_dtype(tmp_
     run = step.compile_cost(str(path), 4, str(tmp_path / "inductor"))["cold"]
     assert run["peak_rss"] < held.numel() * held.element_size()
     assert run["rss"] <= run["peak_rss"]
+    # The anonymous part (the data) holds at least the weights, within all of RSS, and its
+    # sampled peak is at least what it holds at the end.
+    assert run["anon"] - run["baseline_anon"] >= run["checkpoint_bytes"]
+    assert run["anon"] <= run["peak_anon"] <= run["peak_rss"]
+    assert run["anon"] < run["rss"]
     from tinyserve.model import get_preset
     assert run["checkpoint_bytes"] == get_preset("tiny").num_parameters() * 2

@@ -33,21 +33,30 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 # A fresh interpreter starting an engine: what a notebook pays, in seconds and memory. The
 # checkpoint's own dtype, as the sweeps load it (sweep_engine's dtype="auto").
+# Memory two ways: all of RSS, and its anonymous part (the data: weights, packed copies, KV
+# cache, allocator slack). The rest is file-backed, mostly torch's and oneDNN's code paged
+# in as the engine first runs it (about 70 MiB on cpu-bench), which no copy of the weights
+# adds to. Linux keeps no high-water mark of the anonymous part, so a thread samples it.
 PROBE = """\
-import json, resource, time
+import json, resource, threading, time
 started = time.perf_counter()
 import torch, tinyserve.engine
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-def peak_rss():
-    # VmHWM: this interpreter's own high-water mark. getrusage's ru_maxrss would also count
-    # the benchmark process this one was forked from (Linux keeps it across exec).
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-baseline = rss()
+baseline, baseline_anon = rss(), status("RssAnon")
+peak_anon, done = [baseline_anon], threading.Event()
+def watch():
+    while not done.wait(0.005):
+        peak_anon[0] = max(peak_anon[0], status("RssAnon"))
+threading.Thread(target=watch, daemon=True).start()
 from tinyserve import LLM
 llm = LLM({model!r}, dtype="auto", max_num_seqs={top}, max_model_len=16, enforce_eager={eager!r})
+done.set()
+anon = status("RssAnon")
 path = llm.engine.executor.decode_path
 checkpoint = sum({{id(p): p.numel() * p.element_size() for p in llm.model.parameters()}}.values())
 print(json.dumps({{"start_s": time.perf_counter() - started,
@@ -55,7 +64,10 @@ print(json.dumps({{"start_s": time.perf_counter() - started,
                    "warm_up_s": path.warm_up_seconds if path else None,
                    "path": path.describe() if path else None,
                    "baseline_rss": baseline, "rss": rss(),
-                   "peak_rss": peak_rss(),
+                   # VmHWM: this interpreter's own high-water mark. getrusage's ru_maxrss would
+                   # also count the process this one was forked from (Linux keeps it across exec).
+                   "peak_rss": status("VmHWM"),
+                   "baseline_anon": baseline_anon, "anon": anon, "peak_anon": max(peak_anon[0], anon),
                    "checkpoint_bytes": checkpoint,
                    "kv_bytes": llm.engine.executor.kv_cache.nbytes}}))
 """
@@ -157,6 +169,10 @@ def print_report(r: dict) -> None:
               f"{c['checkpoint_bytes'] / 2**20:.0f} MiB + KV cache {c['kv_bytes'] / 2**20:.0f} MiB: "
               f"(peak - baseline) / that = {(c['peak_rss'] - c['baseline_rss']) / need:.2f}x, "
               f"(after start-up - baseline) / that = {(c['rss'] - c['baseline_rss']) / need:.2f}x")
+        print(f"  data alone (anonymous RSS, sampled every 5 ms) over the same: peak "
+              f"{(c['peak_anon'] - c['baseline_anon']) / need:.2f}x, after start-up "
+              f"{(c['anon'] - c['baseline_anon']) / need:.2f}x; the rest of the growth is code "
+              f"paged in ({(c['rss'] - c['anon'] - c['baseline_rss'] + c['baseline_anon']) / 2**20:.0f} MiB)")
 
 
 def add_arguments(parser) -> None:
