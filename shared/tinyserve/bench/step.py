@@ -11,7 +11,7 @@ then pure decode steps of the engine at B = 1 ... 64, eagerly and with
 on a GPU; each bucket keeps the faster path), and prints each step as a
 multiple of the floor, the knee fitted on the fast curve against the ceilings
 ratio, and what limits the curve past the knee. The start-up cost (seconds, and
-peak RSS against the checkpoint plus the KV cache) is measured in fresh
+peak RSS, and the data alone, against the checkpoint plus the KV cache) is measured in fresh
 processes sharing one new Inductor cache: cold, then warm, then with the
 packed/eager choice measured at start (``enforce_eager=None``).
 """
