@@ -38,16 +38,13 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # in as the engine first runs it (about 70 MiB on cpu-bench), which no copy of the weights
 # adds to. Linux keeps no high-water mark of the anonymous part, so a thread samples it.
 PROBE = """\
-import json, resource, threading, time
+import json, threading, time
 started = time.perf_counter()
 import torch, tinyserve.engine
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-baseline, baseline_anon = rss(), status("RssAnon")
+baseline, baseline_anon = status("VmRSS"), status("RssAnon")
 peak_anon, done = [baseline_anon], threading.Event()
 def watch():
     while not done.wait(0.005):
@@ -63,7 +60,7 @@ print(json.dumps({{"start_s": time.perf_counter() - started,
                    "fast": path is not None and not llm.engine.executor.enforce_eager,
                    "warm_up_s": path.warm_up_seconds if path else None,
                    "path": path.describe() if path else None,
-                   "baseline_rss": baseline, "rss": rss(),
+                   "baseline_rss": baseline, "rss": status("VmRSS"),
                    # VmHWM: this interpreter's own high-water mark. getrusage's ru_maxrss would
                    # also count the process this one was forked from (Linux keeps it across exec).
                    "peak_rss": status("VmHWM"),
