@@ -106,23 +106,48 @@ def test_one_row_gemms_are_padded_where_padding_measured_faster(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_choosing_times_a_packed_copy_of_the_first_layers_only(monkeypatch):
-    # The whole model is never held dense and packed at once: while the buckets are timed,
-    # only the layers whose weights make twice the last-level cache have a packed copy.
+@pytest.mark.parametrize("slow", ["eager", "packed"])
+def test_choosing_packs_the_first_layers_in_place_and_times_the_next_ones_dense(slow, monkeypatch):
+    # The model is never held dense and packed at once: while the buckets are timed, the
+    # first layers (twice the last-level cache) are packed in place and the next as many
+    # run dense. Whichever side wins, every weight ends in exactly one form.
     model = LlamaForServing.from_seed(dataclasses.replace(get_preset("tiny"), num_hidden_layers=5))
     layers = model.config.num_hidden_layers
+    dense = {n: p.clone() for n, p in model.named_parameters()}
     per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     monkeypatch.setattr(packed_gemm, "l3_cache_bytes", lambda: int(per_layer * 0.75))   # 2 layers
-    made, seen = [], []
-    real_init, real_ratio = packed_gemm.PackedLayer.__init__, packed_gemm.paired_ratio
-    monkeypatch.setattr(packed_gemm.PackedLayer, "__init__",
-                        lambda self, layer, *a: made.append(layer) or real_init(self, layer, *a))
-    monkeypatch.setattr(packed_gemm, "paired_ratio",
-                        lambda *a, **k: seen.append(len(made)) or real_ratio(*a, **k))
+    clock = FakeClock(slow)
+    timed, forms = [], []
+    real_ratio = packed_gemm.paired_ratio
+
+    def ratio(eager, packed, **k):
+        forms.append([layer.mlp.down_proj.weight.device.type for layer in model.model.layers])
+        handles = [layer.register_forward_pre_hook(
+            lambda module, args, kwargs, i=i: timed.append(i) or clock.hook(module, args, kwargs),
+            with_kwargs=True) for i, layer in enumerate(model.model.layers)]
+        monkeypatch.setattr(time, "perf_counter", clock)
+        try:
+            return real_ratio(eager, packed, **k)
+        finally:
+            monkeypatch.setattr(time, "perf_counter", real_perf_counter)
+            for handle in handles:
+                handle.remove()
+
+    real_perf_counter = time.perf_counter
+    monkeypatch.setattr(packed_gemm, "paired_ratio", ratio)
     executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
                              capture_sizes=(1, 2))
-    assert seen == [2, 2] and executor.packed.layers_timed == 2
-    assert f"first 2 of {layers} layers" in executor.packed.describe()
+    path = executor.packed
+    # Two buckets timed (then, if packed is kept, the padding: every layer packed by then).
+    assert forms[:2] == [["meta", "meta", "cpu", "cpu", "cpu"]] * 2 and set(timed) == {0, 1, 2, 3}
+    assert path.layers_timed == 2 and f"first 2 of {layers} layers" in path.describe()
+    if slow == "eager":         # packed kept: the probe's layers are the packed weights' own
+        assert path.weights is not None and all(p.is_meta for n, p in model.named_parameters()
+                                                if "layers." in n and "norm" not in n)
+    else:                       # dense again, the very same numbers
+        assert path.weights is None
+        for name, p in model.named_parameters():
+            assert torch.equal(p, dense[name]), name
 
 
 def linear_bytes_held(llm) -> int:

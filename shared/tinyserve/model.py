@@ -170,18 +170,18 @@ def scratch_decode(model: "LlamaForServing", kv_cache: "KVCache", size: int, scr
 
 
 def scratch_layers(model: "LlamaForServing", kv_cache: "KVCache", size: int, scratch_slot: int,
-                   context: int, packed_layers: list):
-    """A call running the first ``len(packed_layers)`` decoder layers of a decode step as
-    ``scratch_decode`` does, on random hidden states; each layer's GEMMs on its entry of
-    ``packed_layers`` (``None``: the dense weights). A part of a step to time two paths
-    of the same layers against each other without the whole model in both forms."""
+                   context: int, packed_layers: list, first: int = 0):
+    """A call running ``len(packed_layers)`` decoder layers from layer ``first`` on of a
+    decode step as ``scratch_decode`` does, on random hidden states; each layer's GEMMs on
+    its entry of ``packed_layers`` (``None``: the dense weights). A part of a step, to time
+    two paths against each other without the whole model in both forms."""
     embed = model.model.embed_tokens.weight
     c = model.config
     meta = _scratch_metadata(kv_cache, size, scratch_slot, context, embed.device)
     x = torch.randn(size, c.hidden_size, device=embed.device).to(embed.dtype)
     positions = torch.full((size,), context - 1, dtype=torch.long, device=embed.device)
     cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
-    layers = list(zip(model.model.layers, packed_layers))
+    layers = list(zip(model.model.layers[first:first + len(packed_layers)], packed_layers))
 
     @torch.inference_mode()
     def run():

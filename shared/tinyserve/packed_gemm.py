@@ -28,18 +28,18 @@ of more rows multiplies fp32 copies of the weight made chunk by chunk in one sma
 scratch buffer: fp32 compute on bf16 storage.
 
 With ``enforce_eager=None`` (``PackedDecode(..., choose=True)``) the engine first
-times the first few layers of a decode step of each batch-size bucket both ways,
-dense eager against packed (a packed copy of those layers only, whose weights
-are twice the last-level cache: streamed from memory as a step streams the
-model), at a realistic context (``CHOICE_CONTEXT``), in interleaved pairs
-(``host.paired_ratio``): a bucket chooses packed when most of its pairs found
-it faster. There is one copy of the weights, so the choice is one for the whole
-model: the weights are packed if any bucket chose it, and stay dense if every
-bucket chose eager. ``choices`` and ``speedups`` record what was measured
-(``describe`` prints them; the engine logs them). The timing is a start-up
-sample on whatever else the machine was doing then, not a guarantee for every
-later step. Packing releases the dense weights layer by layer as it goes, so
-start-up never holds two copies of the model.
+times a few layers of a decode step of each batch-size bucket both ways: the
+first layers packed in place against as many of the next layers, dense and of
+the same shapes (each side's weights twice the last-level cache: streamed from
+memory as a step streams the model), at a realistic context
+(``CHOICE_CONTEXT``), in interleaved pairs (``host.paired_ratio``): a bucket
+chooses packed when most of its pairs found it faster. There is one copy of the
+weights, so the choice is one for the whole model: the weights are packed if any
+bucket chose it, and stay dense if every bucket chose eager. ``choices`` and
+``speedups`` record what was measured (``describe`` prints them; the engine logs
+them). The timing is a start-up sample on whatever else the machine was doing
+then, not a guarantee for every later step. Packing releases each dense weight as soon as it is merged for its
+GEMM, so start-up never holds more than one GEMM's weight beside the model.
 """
 
 from __future__ import annotations
@@ -186,15 +186,6 @@ def upcast_scratch(model: LlamaForServing) -> torch.Tensor:
         return torch.empty(max(UPCAST_SCRATCH_BYTES // 4, widest))
 
 
-def _merged(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The projections' weights (and biases, zeros where one has none) as one."""
-    weight = torch.cat([l.weight.detach() for l in linears]).contiguous()
-    if all(l.bias is None for l in linears):
-        return weight, None
-    return weight, torch.cat([l.bias.detach() if l.bias is not None
-                              else torch.zeros(l.out_features, dtype=weight.dtype) for l in linears])
-
-
 class Projections:
     """Several projections of the same input (q, k, v; or gate, up) as one GEMM, whose
     output is split back into the projections'; subclasses hold the weight in a form."""
@@ -204,6 +195,20 @@ class Projections:
         self.widths = [l.out_features for l in linears]
         self.has_bias = any(l.bias is not None for l in linears)
         self.bias: torch.Tensor | None = None
+
+    def merge_weights(self, release: bool) -> torch.Tensor:
+        """The projections' weights as one (sets ``bias``: theirs as one, zeros where one
+        has none); ``release``: the dense parameters go as soon as they are merged, so
+        forming this GEMM never holds more than its merged weight beside the model."""
+        weight = torch.cat([l.weight.detach() for l in self.linears])
+        if self.has_bias:
+            self.bias = torch.cat([l.bias.detach() if l.bias is not None
+                                   else torch.zeros(l.out_features, dtype=weight.dtype)
+                                   for l in self.linears])
+        if release:
+            self.release()
+            return_freed_memory()
+        return weight
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -236,9 +241,9 @@ class Projections:
 class UpcastLinear(Projections):
     """The projections on their bf16 weights, merged, through ``upcast_matmul``."""
 
-    def __init__(self, linears: list[torch.nn.Linear], scratch: torch.Tensor):
+    def __init__(self, linears: list[torch.nn.Linear], scratch: torch.Tensor, release: bool = False):
         super().__init__(linears)
-        self.weight, self.bias = _merged(linears)
+        self.weight = self.merge_weights(release)
         self.scratch = scratch
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,9 +256,9 @@ class UpcastLinear(Projections):
 class MergedLinear(Projections):
     """The projections as one GEMM on a copy of their weights packed for oneDNN."""
 
-    def __init__(self, linears: list[torch.nn.Linear], hint: int = PACK_HINT):
+    def __init__(self, linears: list[torch.nn.Linear], hint: int = PACK_HINT, release: bool = False):
         super().__init__(linears)
-        weight, self.bias = _merged(linears)
+        weight = self.merge_weights(release)
         self.in_features = weight.shape[1]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
         self.pad_to = MIN_ROWS                       # fewer input rows are padded to this many
@@ -303,27 +308,23 @@ class PackedLayer:
 class PackedWeights:
     """Every GEMM of the model on one packed copy of its weights (``form`` "packed"), or
     on its bf16 weights computed in fp32 (``form`` "upcast", CPUs without native bf16).
-    ``release=True`` drops each dense weight as soon as it is packed (one copy at every
-    moment); otherwise both copies live until ``release()`` or until this object is dropped."""
+    ``release=True`` drops each dense weight as soon as it is merged for packing (one copy
+    at every moment, beside one GEMM's weight in flight); otherwise both copies live until
+    ``release()`` or until this object is dropped. ``done``: the first layers, packed
+    already (``PackedDecode``'s start-up timing packs them in place)."""
 
-    def __init__(self, model: LlamaForServing, hint: int = PACK_HINT, release: bool = False):
+    def __init__(self, model: LlamaForServing, hint: int = PACK_HINT, release: bool = False,
+                 done: list[PackedLayer] = ()):
         self.model = model
         self.form = form(model) or "packed"
         self.scratch = upcast_scratch(model) if self.form == "upcast" else None
-        merge = (functools.partial(UpcastLinear, scratch=self.scratch) if self.form == "upcast"
-                 else functools.partial(MergedLinear, hint=hint))
-        self.layers = []
-        for layer in model.model.layers:
-            self.layers.append(PackedLayer(layer, merge))
-            if release:
-                for merged in self.layers[-1].merged:
-                    merged.release()
-                return_freed_memory()           # before the next layer's copy is made
+        merge = (functools.partial(UpcastLinear, scratch=self.scratch, release=release)
+                 if self.form == "upcast" else functools.partial(MergedLinear, hint=hint, release=release))
+        self.layers = list(done)
+        self.layers += [PackedLayer(layer, merge) for layer in model.model.layers[len(done):]]
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         # A tied projection stays the embedding table (packing would copy the table).
         self.head = None if tied else merge([model.lm_head])
-        if release and self.head is not None:
-            self.head.release()
         self.pad_to = MIN_ROWS          # packed: what every MergedLinear pads to (choose_padding)
 
     def _all(self) -> list[Projections]:
@@ -417,20 +418,10 @@ class PackedDecode:
     def warm_up(self) -> float:
         """Pack every weight (choosing: if a bucket timed faster packed); seconds."""
         started = time.perf_counter()
-        if self.choose:
-            # Timed on a packed copy of the first few layers only: the whole model is never
-            # held in both forms.
-            probe = [PackedLayer(layer) for layer in self.model.model.layers[:self.probe_layers()]]
-            self.layers_timed = len(probe)
-            for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
-                ratio = self.time_against_eager(size, probe)
-                self.speedups[size] = ratio.median
-                # Most pairs must agree: a tie does not flip between runs into packing.
-                self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
-            del probe
+        probe = self.choose_by_timing() if self.choose else []
         if not self.choose or "packed" in self.choices.values():
             packing = time.perf_counter()
-            self.weights = PackedWeights(self.model, release=True)
+            self.weights = PackedWeights(self.model, release=True, done=probe)
             self.pack_seconds = time.perf_counter() - packing
             if self.form == "packed":
                 self.padding = self.weights.choose_padding()
@@ -439,20 +430,52 @@ class PackedDecode:
         log.info("%s", self.describe())
         return self.warm_up_seconds
 
+    def choose_by_timing(self) -> list[PackedLayer]:
+        """Time each bucket up to ``CHOICE_MAX_BATCH`` eager against packed and record the
+        choices; returns the layers left packed for ``PackedWeights`` to go on from.
+
+        The first few layers are packed in place (their dense weights released) and timed
+        against as many of the next layers, still dense and of the same shapes, so the
+        model is never held in both forms. If every bucket chooses eager, those layers
+        get their dense weights back. A model too shallow for that (one layer) times a
+        packed copy of its layer against the layer itself."""
+        layers = self.model.model.layers
+        n = self.probe_layers()
+        in_place = 2 * n <= len(layers)
+        probe = [PackedLayer(layer, functools.partial(MergedLinear, release=in_place))
+                 for layer in layers[:n]]
+        self.layers_timed = n
+        for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
+            ratio = self.time_against_eager(size, probe, eager_from=n if in_place else 0)
+            self.speedups[size] = ratio.median
+            # Most pairs must agree: a tie does not flip between runs into packing.
+            self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
+        if "packed" in self.choices.values() and in_place:
+            return probe
+        while in_place and probe:                   # dense again, one layer at a time
+            for merged in probe.pop(0).merged:
+                merged.restore()
+            return_freed_memory()
+        return []
+
     def probe_layers(self) -> int:
         """Layers timed at start: enough that their weights are twice the last-level cache
-        (streamed from memory, as a step streams the model), at least one."""
+        (streamed from memory, as a step streams the model), at most half the model (the
+        other side of the timing runs on the next as many), at least one."""
         per_layer = sum(p.numel() * p.element_size() for p in self.model.model.layers[0].parameters())
         cache = l3_cache_bytes() or 32 * 2**20
-        return max(1, min(self.model.config.num_hidden_layers, math.ceil(2 * cache / per_layer)))
+        half = self.model.config.num_hidden_layers // 2
+        return max(1, min(half, math.ceil(2 * cache / per_layer)))
 
-    def time_against_eager(self, size: int, probe: list[PackedLayer], pairs: int = CHOICE_PAIRS):
-        """Eager seconds / packed seconds of the first ``len(probe)`` layers of a decode
-        step of ``size`` rows over a ``CHOICE_CONTEXT``-token context (``host.PairedRatio``:
-        median and spread of interleaved pairs), on rows that write to the scratch slot."""
+    def time_against_eager(self, size: int, probe: list[PackedLayer], eager_from: int,
+                           pairs: int = CHOICE_PAIRS):
+        """Eager seconds / packed seconds of ``len(probe)`` layers of a decode step of
+        ``size`` rows over a ``CHOICE_CONTEXT``-token context (``host.PairedRatio``: median
+        and spread of interleaved pairs), on rows that write to the scratch slot: the first
+        layers on ``probe``, and as many dense layers from ``eager_from`` on."""
         context = min(CHOICE_CONTEXT, self.model.config.max_position_embeddings)
         eager = scratch_layers(self.model, self.kv_cache, size, self.scratch_slot, context,
-                               [None] * len(probe))
+                               [None] * len(probe), first=eager_from)
         packed = scratch_layers(self.model, self.kv_cache, size, self.scratch_slot, context, probe)
         return paired_ratio(eager, packed, pairs=pairs)
 
