@@ -166,6 +166,8 @@ def test_measure_device_measures_the_dtypes_it_is_asked_for():
     bf16 = spec.source.split("bf16 peak from ", 1)[1]
     assert ("onednn packed" in bf16) == packed_gemm.packs(torch.bfloat16)
     assert "mkl packed" not in bf16                          # MKL packs fp32 only
+    # Without native bf16 the engine multiplies in fp32 on the bf16 weights: its peak too.
+    assert ("fp32 compute on bf16" in bf16) == (not packed_gemm.packs(torch.bfloat16))
 
 
 @pytest.mark.skipif(not packed_gemm.packs(torch.bfloat16), reason="oneDNN packs no bf16 on this CPU")

@@ -202,10 +202,14 @@ def _copy_bandwidth(dev, copy_mib: int, sync, timed, budget: float) -> float:
 def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> dict[str, float]:
     """FLOP/s of an ``n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs) by path: ``torch.matmul``
     into a preallocated output, and each packed GEMM this torch has for it (CPU fp32:
-    ``b`` packed once for ``n`` rows, as the sweeps pack their weights)."""
+    ``b`` packed once for ``n`` rows, as the sweeps pack their weights). Bf16 on a CPU
+    where oneDNN packs no bf16 (no native bf16) also by the path the engine runs there,
+    fp32 compute on the bf16 weight (``packed_gemm.upcast_matmul``): torch's own bf16
+    matmul can be a hundred times slower on such a CPU."""
     import torch
 
-    from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
+    from tinyserve.packed_gemm import (PACKED_PATHS, UPCAST_SCRATCH_BYTES, packs, prepacked_linear,
+                                       upcast_matmul)
 
     tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a = torch.randn(n, n, device=dev).to(tdtype)
@@ -216,6 +220,9 @@ def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> dict[s
         packed = prepacked_linear(b.t(), n, path)        # x -> x @ b, b packed once
         if packed is not None:
             ops[f"{path} packed"] = lambda packed=packed: packed(a)
+    if dev.type == "cpu" and tdtype == torch.bfloat16 and not packs(tdtype):
+        weight, scratch = b.t().contiguous(), torch.empty(UPCAST_SCRATCH_BYTES // 4)
+        ops["fp32 compute on bf16"] = lambda: upcast_matmul(a, weight, None, scratch)
     with torch.inference_mode():
         rates = {name: 2 * n**3 / _median_time(timed(op), sync, budget / len(ops))
                  for name, op in ops.items()}
