@@ -140,7 +140,7 @@ def test_choosing_packs_the_first_layers_in_place_and_times_the_next_ones_dense(
     path = executor.packed
     # Two buckets timed (then, if packed is kept, the padding: every layer packed by then).
     assert forms[:2] == [["meta", "meta", "cpu", "cpu", "cpu"]] * 2 and set(timed) == {0, 1, 2, 3}
-    assert path.layers_timed == 2 and f"first 2 of {layers} layers" in path.describe()
+    assert path.layers_timed == 2 and f"layers 1-2 packed against 3-4 dense (of {layers})" in path.describe()
     if slow == "eager":         # packed kept: the probe's layers are the packed weights' own
         assert path.weights is not None and all(p.is_meta for n, p in model.named_parameters()
                                                 if "layers." in n and "norm" not in n)
@@ -148,6 +148,18 @@ def test_choosing_packs_the_first_layers_in_place_and_times_the_next_ones_dense(
         assert path.weights is None
         for name, p in model.named_parameters():
             assert torch.equal(p, dense[name]), name
+
+
+def test_a_one_layer_model_times_a_packed_copy_and_still_ends_with_one_form():
+    # Nothing to time its layer against but the layer itself: a copy, dropped after.
+    model = LlamaForServing.from_seed(dataclasses.replace(get_preset("tiny"), num_hidden_layers=1))
+    executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
+                             capture_sizes=(1, 2))
+    path = executor.packed
+    assert "a packed copy of layer 1 against itself (of 1)" in path.describe()
+    packed = path.weights is not None
+    assert all(p.is_meta == packed for n, p in model.named_parameters() if n.endswith("proj.weight")
+               and "lm_head" not in n)
 
 
 def linear_bytes_held(llm) -> int:

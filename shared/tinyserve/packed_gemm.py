@@ -405,7 +405,8 @@ class PackedDecode:
         self.speedups: dict[int, float] = {}
         self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
-        self.layers_timed = 0           # choosing: the decoder layers timed per bucket
+        self.layers_timed = 0           # choosing: the decoder layers timed per bucket and side
+        self.eager_from = 0             # choosing: the first layer of the dense side
         self.padding = None             # packed: PairedRatio of 1-row GEMMs unpadded / padded
 
     def weights_for(self, decode: bool) -> PackedWeights | None:
@@ -444,9 +445,9 @@ class PackedDecode:
         in_place = 2 * n <= len(layers)
         probe = [PackedLayer(layer, functools.partial(MergedLinear, release=in_place))
                  for layer in layers[:n]]
-        self.layers_timed = n
+        self.layers_timed, self.eager_from = n, n if in_place else 0
         for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
-            ratio = self.time_against_eager(size, probe, eager_from=n if in_place else 0)
+            ratio = self.time_against_eager(size, probe, eager_from=self.eager_from)
             self.speedups[size] = ratio.median
             # Most pairs must agree: a tie does not flip between runs into packing.
             self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
@@ -495,9 +496,12 @@ class PackedDecode:
         parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.choices]
         kept = ("packed weights kept, every step runs on them" if self.weights is not None
                 else "every bucket chose eager: packing dropped")
-        return (f"{kept}; first {self.layers_timed} of {self.model.config.num_hidden_layers} layers "
-                f"of a decode step per bucket (eager time / packed time, median of "
-                f"{CHOICE_PAIRS} pairs at start): " + ", ".join(parts) + padding)
+        n, first = self.layers_timed, self.eager_from
+        timed = (f"layers 1-{n} packed against {first + 1}-{first + n} dense" if first
+                 else "a packed copy of layer 1 against itself")
+        return (f"{kept}; {timed} (of {self.model.config.num_hidden_layers}), a decode step per "
+                f"bucket (eager time / packed time, median of {CHOICE_PAIRS} pairs at start): "
+                + ", ".join(parts) + padding)
 
 
 PACKED_PATHS = ("mkl", "onednn")
