@@ -84,6 +84,21 @@ def test_engine_sweep_tiny():
     assert info["dtype"] == "fp32" and info["weight_bytes"] == 4 * info["num_parameters_read"]
 
 
+def test_engine_sweep_counts_a_tied_output_projection_once(tmp_path):
+    # Tied (Qwen2.5-0.5B, Llama-3.2-1B): the embedding table is the output projection,
+    # read whole every step, so it counts once; untied, the table is not read.
+    import dataclasses
+
+    from tinyserve.checkpoint import save_pretrained
+    from tinyserve.model import LlamaForServing
+
+    tied = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=True)
+    save_pretrained(LlamaForServing.from_seed(tied), tmp_path)
+    _, tied_info = xo.sweep_engine([1], model=str(tmp_path), steps=1)
+    _, untied_info = xo.sweep_engine([1], model="tiny", steps=1)
+    assert tied_info["num_parameters_read"] == untied_info["num_parameters_read"]
+
+
 def test_knee_report_on_synthetic_curve():
     hw = hwm.HardwareSpec("toy", flops={"fp32": 100e9}, memory_bandwidth=10e9, memory_size=1e9)
     b = np.array([1, 2, 4, 8, 16, 32, 64, 128])

@@ -129,13 +129,18 @@ def supported(model: LlamaForServing) -> bool:
     return form(model) is not None
 
 
-def weight_bytes(model: LlamaForServing) -> int:
-    """The bytes a decode step reads: every weight but the embedding table, of which it
-    reads a few rows (unless the output projection is that same table, tied). Packed
-    weights count as the dense ones they replaced (their parameters keep the shapes)."""
+def weights_read(model: LlamaForServing) -> list[torch.nn.Parameter]:
+    """What a decode step reads: every weight but the embedding table, of which it reads a
+    few rows (unless the output projection is that same table, tied: then it reads it all,
+    once). Packed weights count as the dense ones they replaced (same shapes)."""
     read = {id(p): p for name, p in model.named_parameters() if "embed_tokens" not in name}
     read[id(model.lm_head.weight)] = model.lm_head.weight
-    return sum(p.numel() * p.element_size() for p in read.values())
+    return list(read.values())
+
+
+def weight_bytes(model: LlamaForServing) -> int:
+    """The bytes a decode step reads (``weights_read``)."""
+    return sum(p.numel() * p.element_size() for p in weights_read(model))
 
 
 def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch
 
 from tinyserve import hardware as hwm
 from tinyserve import host, measure
-from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear
+from tinyserve.packed_gemm import PACKED_PATHS, prepacked_linear, weights_read
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MLP_RATIO = 11008 / 4096          # Llama-7B's intermediate / hidden
@@ -308,7 +308,8 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
 
     Returns the times and a description of the model (parameters and bytes read
     per step: every weight except the embedding table, of which a step reads a few
-    rows), with the compile seconds of each graph when ``enforce_eager=False``.
+    rows, unless the output projection is that table, ``packed_gemm.weights_read``),
+    with the compile seconds of each graph when ``enforce_eager=False``.
     """
     from tinyserve import LLM, SamplingParams
 
@@ -317,7 +318,7 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
     llm = LLM(model, seed=seed, max_num_seqs=top, max_num_batched_tokens=max(256, top * prompt_len),
               max_model_len=prompt_len + steps + 8, dtype=dtype, enforce_eager=enforce_eager)
     engine = llm.engine
-    read = [p for n, p in llm.model.named_parameters() if "embed_tokens" not in n]
+    read = weights_read(llm.model)
     path = engine.executor.decode_path
     info = {"model": model, "num_parameters_read": int(sum(p.numel() for p in read)),
             "weight_bytes": int(sum(p.numel() * p.element_size() for p in read)),
