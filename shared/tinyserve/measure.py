@@ -208,8 +208,8 @@ def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> dict[s
     matmul can be a hundred times slower on such a CPU."""
     import torch
 
-    from tinyserve.packed_gemm import (PACKED_PATHS, UPCAST_SCRATCH_BYTES, packs, prepacked_linear,
-                                       upcast_matmul)
+    from tinyserve.packed_gemm import (PACKED_PATHS, packs, prepacked_linear, upcast_matmul,
+                                       upcast_scratch)
 
     tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a = torch.randn(n, n, device=dev).to(tdtype)
@@ -221,7 +221,7 @@ def _matmul_flops(dev, dtype: str, n: int, sync, timed, budget: float) -> dict[s
         if packed is not None:
             ops[f"{path} packed"] = lambda packed=packed: packed(a)
     if dev.type == "cpu" and tdtype == torch.bfloat16 and not packs(tdtype):
-        weight, scratch = b.t().contiguous(), torch.empty(UPCAST_SCRATCH_BYTES // 4)
+        weight, scratch = b.t().contiguous(), upcast_scratch(n)
         ops["fp32 compute on bf16"] = lambda: upcast_matmul(a, weight, None, scratch)
     with torch.inference_mode():
         rates = {name: 2 * n**3 / _median_time(timed(op), sync, budget / len(ops))

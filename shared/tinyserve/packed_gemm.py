@@ -38,8 +38,9 @@ weights, so the choice is one for the whole model: the weights are packed if any
 bucket chose it, and stay dense if every bucket chose eager. ``choices`` and
 ``speedups`` record what was measured (``describe`` prints them; the engine logs
 them). The timing is a start-up sample on whatever else the machine was doing
-then, not a guarantee for every later step. Packing releases each dense weight as soon as it is merged for its
-GEMM, so start-up never holds more than one GEMM's weight beside the model.
+then, not a guarantee for every later step. Packing releases each dense weight as
+soon as it is merged for its GEMM, so start-up never holds more than one GEMM's
+weight beside the model.
 """
 
 from __future__ import annotations
@@ -183,10 +184,10 @@ def upcast_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype)
 
 
-def upcast_scratch(model: LlamaForServing) -> torch.Tensor:
-    """The fp32 buffer every ``upcast_matmul`` of the model shares (steps run one at a
-    time): ``UPCAST_SCRATCH_BYTES``, or one row of its widest weight if that is more."""
-    widest = max(p.shape[-1] for p in model.parameters() if p.dim() == 2)
+def upcast_scratch(widest: int) -> torch.Tensor:
+    """The fp32 buffer ``upcast_matmul`` copies weight chunks into, shared by every GEMM of
+    a model (steps run one at a time): ``UPCAST_SCRATCH_BYTES``, or one row of the widest
+    weight (``widest`` inputs) if that is more."""
     with torch.inference_mode(False):       # a normal tensor: writable in and out of it
         return torch.empty(max(UPCAST_SCRATCH_BYTES // 4, widest))
 
@@ -322,7 +323,8 @@ class PackedWeights:
                  done: list[PackedLayer] = ()):
         self.model = model
         self.form = form(model) or "packed"
-        self.scratch = upcast_scratch(model) if self.form == "upcast" else None
+        widest = max(p.shape[-1] for p in model.parameters() if p.dim() == 2)
+        self.scratch = upcast_scratch(widest) if self.form == "upcast" else None
         merge = (functools.partial(UpcastLinear, scratch=self.scratch, release=release)
                  if self.form == "upcast" else functools.partial(MergedLinear, hint=hint, release=release))
         self.layers = list(done)
@@ -458,9 +460,13 @@ class PackedDecode:
             self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
         if "packed" in self.choices.values() and in_place:
             return probe
-        while in_place and probe:                   # dense again, one layer at a time
-            for merged in probe.pop(0).merged:
+        if not in_place:
+            return []
+        while probe:            # dense again, one layer at a time, its packed form dropped first
+            restored = probe.pop(0)
+            for merged in restored.merged:
                 merged.restore()
+            del restored, merged
             return_freed_memory()
         return []
 
