@@ -254,7 +254,7 @@ def no_native_bf16(monkeypatch):
     monkeypatch.setattr(packed_gemm, "packs", lambda dtype: dtype == torch.float32)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 40])   # below and from UPCAST_MIN_ROWS
+@pytest.mark.parametrize("rows", [1, 5, 6, 40, 80])   # the fused kernel; above MAX_ROWS: chunks
 @pytest.mark.parametrize("bias", [False, True])
 def test_upcast_layers_compute_what_the_linear_layers_compute(bias, rows, no_native_bf16, monkeypatch):
     # A scratch buffer of 3 rows of the widest weight: every GEMM of many rows runs in chunks.

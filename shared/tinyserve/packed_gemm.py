@@ -22,10 +22,13 @@ packed (that would copy the table); oneDNN multiplies the plain table instead.
 On a CPU without native bf16 (no AVX512-BF16, AMX or AVX-NE-CONVERT: an AMD EPYC
 Zen 3, most desktop CPUs), oneDNN will not pack bf16, and a bf16 GEMM of many rows
 runs far below an fp32 one. There the same ``PackedWeights`` keep the bf16
-weights as they are (``UpcastLinear``, form "upcast"): a GEMM of few rows reads the
-bf16 weight directly (a read-bound product reads half the bytes of fp32), and one
-of more rows multiplies fp32 copies of the weight made chunk by chunk in one small
-scratch buffer: fp32 compute on bf16 storage.
+weights as they are (``UpcastLinear``, form "upcast"), and compute in fp32 on that
+bf16 storage: a GEMM of up to ``bf16_gemm.MAX_ROWS`` rows in our fused kernel
+(``tinyserve.bf16_gemm``: each weight widened in a register, so a decode step reads
+the bf16 bytes once), one of more rows on fp32 copies of the weight made chunk by
+chunk in one small scratch buffer (oneDNN's fp32 GEMM: compute-bound there, it
+outruns the kernel). Where the kernel cannot be built (no C compiler), a GEMM of
+few rows multiplies the bf16 weight directly in torch instead.
 
 With ``enforce_eager=None`` (``PackedDecode(..., choose=True)``) the engine first
 times a few layers of a decode step of each batch-size bucket both ways: the
@@ -55,6 +58,7 @@ from typing import Callable
 
 import torch
 
+from tinyserve import bf16_gemm
 from tinyserve.host import l3_cache_bytes, paired_ratio
 from tinyserve.model import KVCache, LlamaForServing, scratch_layers
 
@@ -82,11 +86,12 @@ CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
 # AVX2: cpu-bench's GEMMs at 1 row 13.9 ms a step, padded 19.4). ``PackedDecode`` times
 # both at start (``PackedWeights.choose_padding``, PAD_PAIRS interleaved pairs).
 MIN_ROWS, PAD_PAIRS = 4, 7
-# Bf16 weights on a CPU without native bf16 ("upcast"): from UPCAST_MIN_ROWS rows on, a
-# GEMM multiplies fp32 copies of its weight, UPCAST_SCRATCH_BYTES at a time. Qwen2.5-0.5B's
-# GEMMs on an AMD EPYC Zen 3 (2 threads), bf16 F.linear against this: about equal at 4
-# rows, 1.6-2.0x slower at 8, 3.6-4.7x at 32, 5.6-6.8x at 128 and 512; at 1 and 2 rows
-# the direct bf16 product is 1.3-2.3x faster. A 4 MiB buffer beat 1 and 16 MiB.
+# Bf16 weights on a CPU without native bf16 ("upcast"): above bf16_gemm.MAX_ROWS rows (or
+# from UPCAST_MIN_ROWS on where that kernel is not built) a GEMM multiplies fp32 copies of
+# its weight, UPCAST_SCRATCH_BYTES at a time. Qwen2.5-0.5B's GEMMs on an AMD EPYC Zen 3
+# (2 threads), bf16 F.linear against this: about equal at 4 rows, 1.6-2.0x slower at 8,
+# 3.6-4.7x at 32, 5.6-6.8x at 128 and 512; at 1 and 2 rows the direct bf16 product is
+# 1.3-2.3x faster. A 4 MiB buffer beat 1 and 16 MiB.
 UPCAST_MIN_ROWS = 6
 UPCAST_SCRATCH_BYTES = 4 * 2**20
 
@@ -168,9 +173,13 @@ def return_freed_memory() -> None:
 
 def upcast_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   scratch: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T + bias`` for bf16 ``x`` and ``weight`` on a CPU without native bf16:
-    directly below ``UPCAST_MIN_ROWS`` rows, else in fp32, the weight copied to fp32
-    ``scratch`` one chunk of output rows at a time (the copy stays in the cache)."""
+    """``x @ weight.T + bias`` for bf16 ``x [rows, in]`` and ``weight`` on a CPU without
+    native bf16, in fp32, rounded to bf16 once: up to ``bf16_gemm.MAX_ROWS`` rows in the
+    fused kernel; more rows on the weight copied to fp32 ``scratch`` one chunk of output
+    rows at a time (the copy stays in the cache). Without the kernel, fewer than
+    ``UPCAST_MIN_ROWS`` rows multiply in bf16 directly."""
+    if x.shape[0] <= bf16_gemm.MAX_ROWS and bf16_gemm.available():
+        return bf16_gemm.matmul(x, weight, bias).to(x.dtype)
     if x.shape[0] < UPCAST_MIN_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
     x32, rows = x.float(), max(1, scratch.numel() // weight.shape[1])
@@ -494,9 +503,13 @@ class PackedDecode:
     def describe(self) -> str:
         """One line: the weights every step runs on, and what each bucket measured."""
         if self.form == "upcast":
+            few = (f"up to {bf16_gemm.MAX_ROWS} rows in the fused bf16 kernel, more"
+                   if bf16_gemm.available() else
+                   f"fewer than {UPCAST_MIN_ROWS} rows in bf16 (no C compiler for the fused "
+                   f"kernel), {UPCAST_MIN_ROWS} or more")
             return (f"bf16 weights on a CPU without native bf16 (oneDNN packs no bf16 here): "
-                    f"GEMMs of {UPCAST_MIN_ROWS} rows or more compute in fp32 on the bf16 weights, "
-                    "fewer rows in bf16; every step runs on them")
+                    f"GEMMs of {few} in fp32 on fp32 copies of weight chunks; "
+                    "every step runs on them")
         padding = "" if self.padding is None else (
             f"; GEMMs of fewer than {MIN_ROWS} rows "
             + (f"padded to {MIN_ROWS}" if self.weights.pad_to > 1 else "not padded")
