@@ -2,18 +2,18 @@
 
 On such a CPU (AVX2 only: an AMD EPYC Zen 3, most desktop CPUs) torch has no fast
 way to multiply activations by bf16 weights: its bf16 GEMM runs far below the
-memory's speed, and the fp32 route first writes an fp32 copy of the weight and
-reads it back, twice the bytes of the fp32 weight the bf16 one was meant to halve.
+memory's speed, and the fp32 route first converts the weight into an fp32 copy and
+then multiplies that: an extra pass over every weight, every step.
 ``bf16_gemm.c`` widens each 8 weights to fp32 in a register right before using
 them, so a decode step reads its weights once, as bf16 (the chapter's kernel
 fusion: fewer bytes moved). It is ours because torch ships no such kernel.
 
 The C file is compiled at first use with the system's C compiler (``$CC``, else
 ``cc``) for this CPU (``-march=native``) and kept in ``~/.cache/tinyserve/kernels``
-(``$TINYSERVE_CACHE``), keyed by the source, the flags and the CPU, so a later start
-loads it in milliseconds. Where no compiler builds it (none installed; a compiler
-without OpenMP, as Apple's clang), ``available()`` is False and callers keep
-torch's path. ``TINYSERVE_BF16_GEMM=0`` turns it off.
+(``$TINYSERVE_CACHE``), keyed by the source, the compiler's flags and the CPU's,
+so a later start loads it in milliseconds. Where no compiler builds it (none
+installed; a compiler without OpenMP, as Apple's clang), ``available()`` is False
+and callers keep torch's path. ``TINYSERVE_BF16_GEMM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tinyserve.host import cpu_name
+from tinyserve.host import cpu_flags, cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,10 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("TINYSERVE_BF16_GEMM") == "0":
         return None
     compiler = os.environ.get("CC", "cc")
+    # -march=native code runs only where every extension it was built for exists: the key
+    # holds the CPU's flags, so a home directory shared by different machines stays safe.
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(),
-                                    cpu_name()]).encode()).hexdigest()[:16]
+                                    cpu_name(), cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"bf16_gemm-{key}.so"
     try:
         if not target.exists():

@@ -36,6 +36,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
+def cpu_flags() -> str:
+    """The instruction-set extensions this CPU reports (``/proc/cpuinfo``'s "flags" on x86,
+    "Features" on ARM), "" where unknown: what code built for ``-march=native`` relies on."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    return ""
+
+
 def l3_cache_bytes() -> int | None:
     """This CPU's last-level cache in bytes (summed over instances), or None if unknown."""
     try:
