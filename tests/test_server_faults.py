@@ -9,6 +9,10 @@ import asyncio
 import json
 import logging
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -561,3 +565,28 @@ def test_bounded_load_rss_flat_and_blocks_free():
     assert check_soak(rows, max_growth_mb=5.0) == [], rows
     assert all(r["errors"] == 0 and r["hostile_failed"] == 0 for r in rows)
     assert not math.isnan(rows[-1]["rss_mb"])
+
+
+def test_a_sigterm_to_the_owner_stops_the_server_it_started(tmp_path):
+    # The server has a session of its own: the owner's SIGTERM must still end it (a vLLM
+    # left behind holds gigabytes), through the context manager's exit.
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys, time\n"
+        "from tinyserve.serving.processes import ServerProcess\n"
+        f"with ServerProcess({SERVE_ARGS!r}).wait() as server:\n"
+        "    print(server.process.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server_pid = None
+    try:
+        server_pid = int(owner.stdout.readline())
+        assert psutil.pid_exists(server_pid)
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(60) == 128 + signal.SIGTERM
+        assert not psutil.pid_exists(server_pid)
+    finally:
+        owner.kill()
+        owner.wait()
+        if server_pid is not None and psutil.pid_exists(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)       # what a failure left behind

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -108,10 +109,22 @@ class ServerProcess:
         return err.decode(errors="replace")
 
     def __enter__(self) -> "ServerProcess":
+        # The server runs in a session of its own, so a SIGTERM to this process (a job's
+        # time limit, ``kill``) would end it without __exit__ and leave the server running
+        # (a vLLM holds gigabytes): while inside, SIGTERM raises SystemExit instead.
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def launch_servers(n: int, model: str = "tiny", extra_args: list[str] | None = None,
