@@ -35,55 +35,84 @@ static inline f8 load_f32(const float *p) { f8 f; memcpy(&f, p, sizeof f); retur
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline float sum8(f8 v) { float s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
 
-/* A tile of `rows` <= MT rows of x against `cols` <= NB rows of w, in MT x NB vector
- * accumulators (registers): each widened weight vector is used MT times. */
-#define TILE(MT, NB)                                                                       \
-static void tile_##MT##x##NB(const float *x, const uint16_t *w, float *y, long N, long K,   \
-                             long rows, long cols) {                                       \
-    const float *xr[MT];                                                                   \
-    const uint16_t *wr[NB];                                                                \
-    for (int i = 0; i < MT; i++) xr[i] = x + (i < rows ? i : 0) * K;                       \
-    for (int j = 0; j < NB; j++) wr[j] = w + (j < cols ? j : 0) * K;                       \
-    long k8 = K & ~7L;                                                                     \
-    f8 acc[MT][NB] = {{0}};                                                                \
-    for (long k = 0; k < k8; k += 8) {                                                     \
-        f8 wv[NB];                                                                         \
-        for (int j = 0; j < NB; j++) wv[j] = load_bf16(wr[j] + k);                         \
-        for (int i = 0; i < MT; i++) {                                                     \
-            f8 xv = load_f32(xr[i] + k);                                                   \
-            for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];                          \
-        }                                                                                  \
-    }                                                                                      \
-    for (int i = 0; i < rows; i++)                                                         \
-        for (int j = 0; j < cols; j++) {                                                   \
-            float s = sum8(acc[i][j]);                                                     \
-            for (long k = k8; k < K; k++) s += xr[i][k] * bf16_to_f32(wr[j][k]);           \
-            y[i * N + j] = s;                                                              \
-        }                                                                                  \
+/* One row of w against MT rows of x, U vectors of it per pass (U independent sums per row
+ * of x hide the multiply-add's latency): each thread reads its rows of w as one stream,
+ * which is what a read-bound GEMM of few rows needs to run at the memory's speed. */
+#define ROW(MT, U)                                                                         \
+static void row_##MT##x##U(const float *x, const uint16_t *w, float *y, long N, long K) {   \
+    long step = 8 * U, k_step = K - K % step, k8 = K & ~7L, k = 0;                          \
+    f8 acc[MT][U];                                                                          \
+    memset(acc, 0, sizeof acc);                                                             \
+    for (; k < k_step; k += step)                                                           \
+        for (int u = 0; u < U; u++) {                                                       \
+            f8 wv = load_bf16(w + k + 8 * u);                                               \
+            for (int i = 0; i < MT; i++) acc[i][u] += load_f32(x + i * K + k + 8 * u) * wv; \
+        }                                                                                   \
+    for (; k < k8; k += 8) {                                                                \
+        f8 wv = load_bf16(w + k);                                                           \
+        for (int i = 0; i < MT; i++) acc[i][0] += load_f32(x + i * K + k) * wv;             \
+    }                                                                                       \
+    for (int i = 0; i < MT; i++) {                                                          \
+        f8 a = acc[i][0];                                                                   \
+        for (int u = 1; u < U; u++) a += acc[i][u];                                         \
+        float s = sum8(a);                                                                  \
+        for (long j = k8; j < K; j++) s += x[i * K + j] * bf16_to_f32(w[j]);                \
+        y[i * N] = s;                                                                       \
+    }                                                                                       \
 }
-TILE(1, 4)   /* one row: reading the weight is the cost; 4 streams of it at a time */
-TILE(2, 4)
-TILE(4, 3)   /* 12 accumulators + 3 weights + 1 input: the 16 vector registers of AVX2 */
+ROW(1, 4)
+ROW(2, 2)
+ROW(3, 2)
+ROW(4, 1)
 
-/* Rows of w go to threads in runs of RUN tiles (a run streams one stretch of w). */
-#define RUN 16
+/* More rows of x: compute, not the read, is the cost. A tile of `rows` <= 4 rows of x
+ * against `cols` <= 3 rows of w in 12 vector accumulators (+ 3 weights + 1 input: the 16
+ * registers of AVX2), so each widened weight vector is used 4 times. */
+static void tile_4x3(const float *x, const uint16_t *w, float *y, long N, long K,
+                     long rows, long cols) {
+    const float *xr[4];
+    const uint16_t *wr[3];
+    for (int i = 0; i < 4; i++) xr[i] = x + (i < rows ? i : 0) * K;
+    for (int j = 0; j < 3; j++) wr[j] = w + (j < cols ? j : 0) * K;
+    long k8 = K & ~7L;
+    f8 acc[4][3];
+    memset(acc, 0, sizeof acc);
+    for (long k = 0; k < k8; k += 8) {
+        f8 wv[3];
+        for (int j = 0; j < 3; j++) wv[j] = load_bf16(wr[j] + k);
+        for (int i = 0; i < 4; i++) {
+            f8 xv = load_f32(xr[i] + k);
+            for (int j = 0; j < 3; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            float s = sum8(acc[i][j]);
+            for (long k = k8; k < K; k++) s += xr[i][k] * bf16_to_f32(wr[j][k]);
+            y[i * N + j] = s;
+        }
+}
+
 void bf16_gemm(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
-    long mt = M >= 4 ? 4 : M >= 2 ? 2 : 1, nb = mt == 4 ? 3 : 4;
-    long span = RUN * nb, runs = (N + span - 1) / span;
+    if (M <= 4) {
+        #pragma omp parallel for schedule(static)
+        for (long n = 0; n < N; n++) {
+            const uint16_t *wn = w + n * K;
+            if (M == 1) row_1x4(x, wn, y + n, N, K);
+            else if (M == 2) row_2x2(x, wn, y + n, N, K);
+            else if (M == 3) row_3x2(x, wn, y + n, N, K);
+            else row_4x1(x, wn, y + n, N, K);
+        }
+        return;
+    }
+    /* Rows of w go to threads in runs of 16 tiles (a run streams one stretch of w). */
+    long span = 16 * 3, runs = (N + span - 1) / span;
     #pragma omp parallel for schedule(static)
     for (long r = 0; r < runs; r++) {
         long end = (r + 1) * span < N ? (r + 1) * span : N;
-        for (long n = r * span; n < end; n += nb) {
-            long cols = end - n < nb ? end - n : nb;
-            for (long m = 0; m < M; m += mt) {
-                long rows = M - m < mt ? M - m : mt;
-                const float *xm = x + m * K;
-                const uint16_t *wn = w + n * K;
-                float *ym = y + m * N + n;
-                if (mt == 4) tile_4x3(xm, wn, ym, N, K, rows, cols);
-                else if (mt == 2) tile_2x4(xm, wn, ym, N, K, rows, cols);
-                else tile_1x4(xm, wn, ym, N, K, rows, cols);
-            }
-        }
+        for (long n = r * span; n < end; n += 3)
+            for (long m = 0; m < M; m += 4)
+                tile_4x3(x + m * K, w + n * K, y + m * N + n, N, K,
+                         M - m < 4 ? M - m : 4, end - n < 3 ? end - n : 3);
     }
 }

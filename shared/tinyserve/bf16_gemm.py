@@ -36,11 +36,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_gemm.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-# Up to this many rows the kernel beats oneDNN's fp32 GEMM on fp32 copies of the weight
-# (packed_gemm.upcast_matmul's chunks). All the GEMMs of a decode step, AMD EPYC Zen 3
-# (2 threads, 32 MiB L3), kernel's speed-up, median of 5 interleaved pairs: Qwen2.5-0.5B's
-# shape 2.3x at 8 rows, 1.4x at 32, 1.2x at 64, 1.06x at 128, 0.9x at 256; cpu-bench 2.6x
-# at 8, 1.4x at 32, 0.96x at 128. Against torch's bf16 F.linear at 1 row: 1.1x.
+# Up to this many rows the kernel beats torch: bf16 F.linear below 6 rows, oneDNN's fp32
+# GEMM on fp32 copies of the weight above (packed_gemm.upcast_matmul). All the GEMMs of a
+# decode step, AMD EPYC Zen 3 (2 threads, 32 MiB L3), the kernel's speed-up, median of 5
+# interleaved pairs, Qwen2.5-0.5B's shape / cpu-bench: 1 row 1.33x / 1.29x, 2 rows 2.2x /
+# 2.2x, 8 rows 2.5x / 2.2x, 32 rows 1.47x / 1.31x, 64 rows 1.19x / 1.14x, 128 rows 1.17x /
+# 0.96x. At 1 row it read the weights at 25 / 23 GB/s (the machine: 22-33 GB/s).
 MAX_ROWS = 64
 
 
