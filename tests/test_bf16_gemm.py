@@ -29,6 +29,17 @@ def test_the_kernel_computes_the_fp32_product_of_the_bf16_weights(rows, out, inn
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13])
+@pytest.mark.parametrize("inner", [7, 40, 67])
+def test_every_path_of_the_kernel_is_exact_to_fp32_rounding(rows, inner):
+    # One weight row at a time for 1, 2, 3, 4 and 5-8 rows, 4x3 tiles beyond (with a
+    # remainder of rows and of weight rows); inputs not a multiple of 8, 16 or 32.
+    x, weight = torch.randn(rows, inner).bfloat16(), torch.randn(14, inner).bfloat16()
+    torch.testing.assert_close(bf16_gemm.matmul(x, weight), x.float() @ weight.float().T,
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_the_result_does_not_depend_on_the_number_of_threads():
     # Each output is summed by one thread in one order: bit-identical on 1 or 2 threads.
     x, weight = torch.randn(8, 200).bfloat16(), torch.randn(301, 200).bfloat16()
