@@ -26,7 +26,7 @@ PACKAGE = Path(tinyserve.__file__).parent
 CORE_ROWS = [
     ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose_facts", "routing",
      "tokenizer", "chat_template", "kernels", "host"],            # import nothing of ours
-    ["policies", "hf_tokenizer", "diagnose", "sampler"],
+    ["policies", "hf_tokenizer", "diagnose", "sampler", "bf16_gemm"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],
