@@ -68,8 +68,8 @@ def run_vllm_offline(model: Path, dtype: str, jobs: list[dict], tuned: bool,
     """vLLM's offline API in its own process group; the worker's result
     (``bench.vllm_worker``). Its log goes to a file: a pipe would stay open as long as
     any of vLLM's own subprocesses lives."""
-    from tinyserve.serving.processes import stop_group
-    with tempfile.TemporaryDirectory() as tmp:
+    from tinyserve.serving.processes import sigterm_as_exit, stop_group
+    with tempfile.TemporaryDirectory() as tmp, sigterm_as_exit():
         job = {"model": str(model), "dtype": dtype, "max_model_len": MAX_MODEL_LEN,
                "workloads": jobs, "out": f"{tmp}/result.json"}
         Path(f"{tmp}/job.json").write_text(json.dumps(job))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -109,18 +110,31 @@ class ServerProcess:
         return err.decode(errors="replace")
 
     def __enter__(self) -> "ServerProcess":
-        # The server runs in a session of its own, so a SIGTERM to this process (a job's
-        # time limit, ``kill``) would end it without __exit__ and leave the server running
-        # (a vLLM holds gigabytes): while inside, SIGTERM raises SystemExit instead.
-        self._sigterm = None
-        if threading.current_thread() is threading.main_thread():
-            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._sigterm = sigterm_as_exit()
+        self._sigterm.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        if self._sigterm is not None:
-            signal.signal(signal.SIGTERM, self._sigterm)
+        self._sigterm.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """While inside, a SIGTERM to this process raises SystemExit (main thread only).
+
+    What we start runs in a session of its own (``stop_group``), so a SIGTERM to us (a
+    job's time limit, ``kill``) would end us without running the ``finally`` blocks and
+    ``__exit__``s that stop it, and leave it running: a vLLM holds gigabytes and every core."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        if previous is not None:            # None: a handler not set from Python
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
