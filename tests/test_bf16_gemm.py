@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(not bf16_gemm.available(), reason="no C compil
 @given(rows=st.integers(0, 70), out=st.integers(0, 40), inner=st.integers(1, 70),
        bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_kernel_computes_the_fp32_product_of_the_bf16_weights(rows, out, inner, bias, seed):
-    # Every tile shape (1, 2, 4 rows; 3 or 4 weight rows) and every remainder of 8 inputs.
+    # Any number of rows (each path of the kernel) and any remainder of 8, 16 or 32 inputs.
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, inner, generator=g).bfloat16()
     weight = torch.randn(out, inner, generator=g).bfloat16()

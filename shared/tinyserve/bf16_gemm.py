@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tinyserve.host import cpu_flags, cpu_name
+from tinyserve.host import cache_root, cpu_flags, cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # 2.2x, 8 rows 2.5x / 2.2x, 32 rows 1.47x / 1.31x, 64 rows 1.19x / 1.14x, 128 rows 1.17x /
 # 0.96x. At 1 row it read the weights at 25 / 23 GB/s (the machine: 22-33 GB/s).
 MAX_ROWS = 64
-
-
-def cache_dir() -> Path:
-    root = Path(os.environ.get("TINYSERVE_CACHE", Path.home() / ".cache" / "tinyserve"))
-    return root / "kernels"
 
 
 def build(target: Path, compiler: str) -> None:
@@ -71,7 +66,7 @@ def library() -> ctypes.CDLL | None:
     # holds the CPU's flags, so a home directory shared by different machines stays safe.
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(),
                                     cpu_name(), cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"bf16_gemm-{key}.so"
+    target = cache_root() / "kernels" / f"bf16_gemm-{key}.so"
     try:
         if not target.exists():
             build(target, compiler)

@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 
@@ -34,6 +35,12 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "CPU"
+
+
+def cache_root() -> Path:
+    """Where tinyserve keeps what it builds once per machine (random checkpoints, compiled
+    kernels): ``$TINYSERVE_CACHE``, else ``~/.cache/tinyserve``."""
+    return Path(os.environ.get("TINYSERVE_CACHE", Path.home() / ".cache" / "tinyserve"))
 
 
 def cpu_flags() -> str:

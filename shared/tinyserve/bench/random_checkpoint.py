@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.host import cache_root
+
 
 def model_config(shape: str):
     """A tinyserve preset's shape (``small`` for the tests, ``cpu-bench``), or Qwen2.5-0.5B's."""
@@ -77,7 +79,6 @@ def write_checkpoint(shape: str, dtype: str, path: Path, seed: int = 0) -> Path:
 
 
 def checkpoint_dir(shape: str, dtype: str) -> Path:
-    root = Path(os.environ.get("TINYSERVE_CACHE", Path.home() / ".cache" / "tinyserve"))
-    return write_checkpoint(shape, dtype, root / "peer" / f"{shape}-{dtype}")
+    return write_checkpoint(shape, dtype, cache_root() / "peer" / f"{shape}-{dtype}")
 
 

@@ -110,13 +110,13 @@ class ServerProcess:
         return err.decode(errors="replace")
 
     def __enter__(self) -> "ServerProcess":
-        self._sigterm = sigterm_as_exit()
-        self._sigterm.__enter__()
+        self._guard = contextlib.ExitStack()
+        self._guard.enter_context(sigterm_as_exit())
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        self._sigterm.__exit__(None, None, None)
+        self._guard.close()
 
 
 @contextlib.contextmanager
