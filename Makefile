@@ -131,9 +131,9 @@ $(VLLM_STAMP): | $(STAMP)
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
 	touch $@
 
-# Also written to ~/.cache/tinyserve/peer/report.json, which notebook 03 shows.
+# Also written to the cache (~/.cache/tinyserve unless $TINYSERVE_CACHE says otherwise), which notebook 03 shows.
 peer: $(STAMP)
-	$(PY) -m tinyserve.bench peer --engine vllm --out $(HOME)/.cache/tinyserve/peer/report.json
+	$(PY) -m tinyserve.bench peer --engine vllm --out "$${TINYSERVE_CACHE:-$(HOME)/.cache/tinyserve}/peer/report.json"
 
 # The vLLM tests alone (make test runs them last, alone too, once make vllm has finished).
 test-vllm: $(STAMP) $(VLLM_STAMP)

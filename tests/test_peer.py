@@ -4,6 +4,9 @@ and the report says so."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from tinyserve.bench import peer, vllm_peer, vllm_setup
@@ -76,3 +79,24 @@ def test_an_unfinished_make_vllm_is_not_taken_for_an_installed_vllm(tmp_path, mo
     # A python named by hand that is not there: the line names the variable, not make vllm.
     monkeypatch.setenv("TINYSERVE_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
     assert vllm_setup.vllm_unavailable() == f"TINYSERVE_VLLM_PYTHON={tmp_path / 'nowhere' / 'python'} does not exist"
+
+
+def test_the_reports_a_machine_writes_live_under_tinyserve_cache(tmp_path, monkeypatch):
+    # `make peer` and `bench sim --vllm-live` write where notebooks 03 and 06 read them back;
+    # a reader who moved the cache (a small home, a shared class machine) must find them there.
+    from tinyserve.bench import vllm_live
+    monkeypatch.setenv("TINYSERVE_CACHE", str(tmp_path))
+    assert vllm_peer.last_report() is None and vllm_live.last() is None
+    vllm_peer.last_report_path().parent.mkdir(parents=True)
+    vllm_peer.last_report_path().write_text('{"engines": []}')
+    vllm_live.last_path().parent.mkdir(parents=True)
+    vllm_live.last_path().write_text('{"run": {}}')
+    assert vllm_peer.last_report() == {"engines": []} and vllm_live.last() == {"run": {}}
+    assert vllm_peer.last_report_path().is_relative_to(tmp_path)
+    assert vllm_live.last_path().is_relative_to(tmp_path)
+    # make peer's own command line, with `echo` for python, run by the shell as make would.
+    repo = Path(__file__).resolve().parents[1]
+    line = subprocess.run(["make", "-n", "peer", "PY=echo"], cwd=repo, capture_output=True,
+                          text=True, check=True).stdout.strip().splitlines()[-1]
+    said = subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True).stdout
+    assert said.split("--out ")[1].strip() == str(vllm_peer.last_report_path())

@@ -40,7 +40,7 @@ def cpu_name() -> str:
 def cache_root() -> Path:
     """Where tinyserve keeps what it builds once per machine (random checkpoints, compiled
     kernels): ``$TINYSERVE_CACHE``, else ``~/.cache/tinyserve``."""
-    return Path(os.environ.get("TINYSERVE_CACHE", Path.home() / ".cache" / "tinyserve"))
+    return Path(os.environ.get("TINYSERVE_CACHE") or Path.home() / ".cache" / "tinyserve")
 
 
 def cpu_flags() -> str:

@@ -32,6 +32,7 @@ from typing import Sequence
 from tinyserve.bench import vllm_setup
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
 from tinyserve.hardware import ModelSpec
+from tinyserve.host import cache_root
 from tinyserve.sim import fidelity
 from tinyserve.sim.cost_model import EngineCostModel, get_cost_model
 from tinyserve.workload import make_workload
@@ -44,7 +45,6 @@ MEASURED = ("output_throughput", "request_throughput", "mean_ttft", "median_ttft
             "mean_tpot", "median_tpot", "p99_tpot")
 JUDGED = ("output_throughput", "median_tpot", "median_ttft")     # the goal: each within 15%
 GOAL = 0.15
-LAST = Path.home() / ".cache" / "tinyserve" / "sim" / "vllm_live.json"      # main() writes here
 STORED = "data/vllm_live_cpu.json"      # the sweep shipped with the package (its machine inside)
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 NEAR_CAPACITY = 0.9             # the Poisson point's rate, as a share of the measured capacity
@@ -309,9 +309,15 @@ def stored() -> dict:
     return json.loads(resources.files("tinyserve").joinpath(STORED).read_text())
 
 
+def last_path() -> Path:
+    """Where ``bench sim --vllm-live`` writes its sweep unless ``--out`` says otherwise."""
+    return cache_root() / "sim" / "vllm_live.json"
+
+
 def last() -> dict | None:
     """This machine's last ``bench sim --vllm-live``, if it ran one."""
-    return json.loads(LAST.read_text()) if LAST.exists() else None
+    path = last_path()
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def replay(saved: dict) -> dict:
@@ -335,7 +341,7 @@ def main(args) -> None:
                     concurrencies=tuple(int(c) for c in args.concurrencies.split(",")),
                     enforce_eager=args.enforce_eager)
     out = report(run, args.calibrate_on)
-    path = Path(args.out or LAST)
+    path = Path(args.out) if args.out else last_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"run": run, "report": out}, indent=1) + "\n")
     print(f"wrote {path}")

@@ -35,19 +35,25 @@ from pathlib import Path
 from tinyserve.bench.peer import MIXED_NEW, PROMPT_LENS, Scenario
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
 from tinyserve.bench.vllm_setup import REPO, VLLM_VERSION, serve, vllm_env, vllm_python, vllm_unavailable
+from tinyserve.host import cache_root
 
 VLLM_SCENARIOS = (Scenario("B=1", 1, 4), Scenario("B=32", 32, 32),
                   Scenario("B=32, mixed outputs", 32, 32, mixed_outputs=True))
 MAX_MODEL_LEN = PROMPT_LENS[1] + MIXED_NEW[1] + 8
 ENGINES = ("tinyserve packed", "tinyserve eager", "vLLM defaults", "vLLM tuned")
-# What `make peer` writes on the reader's machine, and the run we ship (our machine, named in it).
-LAST_REPORT = Path.home() / ".cache" / "tinyserve" / "peer" / "report.json"
+# The run we ship (our machine, named in it).
 STORED_REPORT = Path(__file__).resolve().parents[1] / "data" / "peer_vllm_cpu.json"
+
+
+def last_report_path() -> Path:
+    """Where `make peer` writes its report on the reader's machine."""
+    return cache_root() / "peer" / "report.json"
 
 
 def last_report() -> dict | None:
     """The report `make peer` last wrote on this machine, or None."""
-    return json.loads(LAST_REPORT.read_text()) if LAST_REPORT.exists() else None
+    path = last_report_path()
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def stored_report() -> dict:
