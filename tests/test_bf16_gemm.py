@@ -26,6 +26,26 @@ def test_the_kernel_computes_the_fp32_product_of_the_bf16_weights(rows, out, inn
     want = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
     assert got.dtype == torch.float32 and got.shape == (rows, out)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # A bf16 model's call (bf16 in, bf16 out) is the same sums, rounded once as torch
+    # rounds (ties to even), bit for bit; an fp32 x with the same values gives the same.
+    rounded = bf16_gemm.matmul(x, weight, b, out_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.to(torch.bfloat16))
+    assert torch.equal(bf16_gemm.matmul(x.float(), weight, b), got)
+
+
+@needs_kernel
+def test_rounding_to_bf16_is_torchs_ties_to_even_with_infinities_and_nan():
+    # Sums that land exactly on and beside the halfway points between two bf16 numbers
+    # (ties go to the even one), past the largest bf16 (rounds to inf), infinities and a
+    # NaN (torch's own NaN bits differ between its paths: only NaN-ness is compared).
+    # One weight of 1.0 passes x through.
+    values = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8),
+                           3.3961e38, float("inf"), float("-inf"), 0.0, float("nan")])
+    x, weight = values[:, None], torch.ones(1, 1, dtype=torch.bfloat16)
+    got = bf16_gemm.matmul(x, weight, out_dtype=torch.bfloat16)[:, 0]
+    want = values.to(torch.bfloat16)
+    assert torch.equal(got[:-1].view(torch.int16), want[:-1].view(torch.int16))
+    assert got[-1].isnan()
 
 
 @needs_kernel
@@ -68,10 +88,19 @@ def test_bad_operands_are_refused_with_a_value_error(weight, x, message):
 
 
 @needs_kernel
+def test_a_bad_bias_or_output_dtype_is_refused_with_a_value_error():
+    x, weight = torch.ones(1, 8), torch.ones(4, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"bias must be \[4\], got \(3,\)"):
+        bf16_gemm.matmul(x, weight, torch.ones(3))
+    with pytest.raises(ValueError, match="out_dtype must be torch.float32 or torch.bfloat16"):
+        bf16_gemm.matmul(x, weight, out_dtype=torch.float16)
+
+
+@needs_kernel
 def test_upcast_gemms_of_up_to_max_rows_run_in_the_kernel_and_larger_ones_in_chunks(monkeypatch):
     calls = []
     kernel = bf16_gemm.matmul
-    monkeypatch.setattr(bf16_gemm, "matmul", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    monkeypatch.setattr(bf16_gemm, "matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or kernel(*args, **kw))
     weight, scratch = torch.randn(48, 64).bfloat16(), packed_gemm.upcast_scratch(64)
     for rows in (1, bf16_gemm.MAX_ROWS, bf16_gemm.MAX_ROWS + 1):
         x = torch.randn(rows, 64).bfloat16()

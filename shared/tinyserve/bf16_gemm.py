@@ -75,8 +75,9 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         log.info("bf16 GEMM kernel not built (%s): bf16 weights use torch's GEMMs", detail)
         return None
-    lib.bf16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    lib.bf16_gemm.restype = None
+    lib.bf16_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int] + [ctypes.c_long] * 3
+    lib.bf16_gemm.restype = ctypes.c_int
     return lib
 
 
@@ -84,24 +85,33 @@ def available() -> bool:
     return library() is not None
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in fp32 (an fp32 tensor ``[rows, out]``) for ``x [rows, in]``
-    of any float dtype and a contiguous bf16 CPU ``weight [out, in]``. Needs ``available()``."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x @ weight.T + bias`` computed in fp32, returned as ``out_dtype`` (fp32, or bf16
+    rounded once as ``.to(torch.bfloat16)`` would), for ``x [rows, in]`` of any float
+    dtype and a contiguous bf16 CPU ``weight [out, in]``. Needs ``available()``.
+    fp32 and bf16 ``x`` go in as they are: a bf16 model's GEMM is one call, no casts."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous 2-D bf16 tensor, got {weight.dtype} "
                          f"{tuple(weight.shape)}{'' if weight.is_contiguous() else ' (strided)'}")
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [rows, {weight.shape[1]}], got {tuple(x.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     if x.device.type != "cpu" or weight.device.type != "cpu":
         raise ValueError("bf16_gemm.matmul runs on CPU tensors only")
     lib = library()
     if lib is None:
         raise RuntimeError("the bf16 GEMM kernel is not built here (bf16_gemm.available() is False)")
-    x32 = x.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0])
+    x_in = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+    bias32 = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
     if x.shape[0] and weight.shape[0]:
-        lib.bf16_gemm(x32.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                      x.shape[0], weight.shape[0], weight.shape[1])
-    if bias is not None:
-        out += bias
+        failed = lib.bf16_gemm(x_in.data_ptr(), x_in.dtype == torch.bfloat16, weight.data_ptr(),
+                               None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+                               out_dtype == torch.bfloat16, x.shape[0], weight.shape[0], weight.shape[1])
+        if failed:
+            raise MemoryError(f"bf16_gemm: no memory for an fp32 copy of x {tuple(x.shape)}")
     return out

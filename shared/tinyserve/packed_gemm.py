@@ -179,7 +179,7 @@ def upcast_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows at a time (the copy stays in the cache). Without the kernel, fewer than
     ``UPCAST_MIN_ROWS`` rows multiply in bf16 directly."""
     if x.shape[0] <= bf16_gemm.MAX_ROWS and bf16_gemm.available():
-        return bf16_gemm.matmul(x, weight, bias).to(x.dtype)
+        return bf16_gemm.matmul(x, weight, bias, out_dtype=x.dtype)
     if x.shape[0] < UPCAST_MIN_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
     x32, rows = x.float(), max(1, scratch.numel() // weight.shape[1])
