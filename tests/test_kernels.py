@@ -219,6 +219,27 @@ def test_the_models_half_precision_decode_attends_in_fp32_on_a_cpu():
     assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_one_length_attend_without_a_mask_bit_for_bit(dtype):
+    # Rows whose contexts all have the longest length (every B=1 step) skip the mask: the
+    # same numbers, bit for bit, as attention with an all-true mask; shorter rows are masked.
+    q, k_cache, v_cache, tables, lens, _ = paged_case(
+        dtype, 3, 4, 2, 24, 16, [40, 40, 40], index_dtype=torch.int64)
+    q, k_cache, v_cache, tables, lens = (t.cpu() for t in (q, k_cache, v_cache, tables, lens))
+    keys = k_cache[tables].flatten(1, 2)[:, :40].transpose(1, 2).float()
+    values = v_cache[tables].flatten(1, 2)[:, :40].transpose(1, 2).float()
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None, :], keys, values, attn_mask=torch.ones(3, 1, 1, 40, dtype=torch.bool),
+        enable_gqa=True)[:, :, 0, :].to(dtype)
+    assert torch.equal(decode_attention(q, k_cache, v_cache, tables, lens, 40), masked)
+    short = lens.clone()
+    short[1] = 9                        # now row 1 must not see the 31 tokens past its own
+    out = decode_attention(q, k_cache, v_cache, tables, short, 40)
+    alone = decode_attention(q[1:2], k_cache, v_cache, tables[1:2], short[1:2], 9)
+    torch.testing.assert_close(out[1], alone[0])
+    assert not torch.allclose(out[1], masked[1])
+
+
 @needs_triton
 @needs_cuda
 def test_bf16_on_gpu():
