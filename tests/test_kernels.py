@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tinyserve import kernels as K
+from tinyserve import cpu_attention, kernels as K
 from tinyserve.model import RMSNorm, decode_attention
 
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="Triton is not installed")
@@ -220,9 +220,11 @@ def test_the_models_half_precision_decode_attends_in_fp32_on_a_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_of_one_length_attend_without_a_mask_bit_for_bit(dtype):
-    # Rows whose contexts all have the longest length (every B=1 step) skip the mask: the
-    # same numbers, bit for bit, as attention with an all-true mask; shorter rows are masked.
+def test_decode_rows_of_one_length_attend_without_a_mask_bit_for_bit(dtype, monkeypatch):
+    # torch's path (where the C kernel is not used): rows whose contexts all have the longest
+    # length (every B=1 step) skip the mask: the same numbers, bit for bit, as attention with
+    # an all-true mask; shorter rows are masked.
+    monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
     q, k_cache, v_cache, tables, lens, _ = paged_case(
         dtype, 3, 4, 2, 24, 16, [40, 40, 40], index_dtype=torch.int64)
     q, k_cache, v_cache, tables, lens = (t.cpu() for t in (q, k_cache, v_cache, tables, lens))

@@ -21,12 +21,13 @@ PACKAGE = Path(tinyserve.__file__).parent
 
 # The core in rows, lowest first: a core module may import only modules of lower rows.
 # Two stacks meet in engine: the step loop (request, kv_cache -> policies -> scheduler ->
-# core) and the model (kernels -> model -> compiled_step -> packed_gemm -> executor);
-# checkpoint (the file format) sits on the model, never under it.
+# core) and the model (kernels, native -> our C kernels -> model -> compiled_step ->
+# packed_gemm -> executor); checkpoint (the file format) sits on the model, never under it.
 CORE_ROWS = [
     ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose_facts", "routing",
      "tokenizer", "chat_template", "kernels", "host"],            # import nothing of ours
-    ["policies", "hf_tokenizer", "diagnose", "sampler", "bf16_gemm"],
+    ["policies", "hf_tokenizer", "diagnose", "sampler", "native"],
+    ["bf16_gemm", "cpu_attention"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],

@@ -7,43 +7,10 @@
  * upper half of an fp32 one: zero-extend, shift left 16) right before their multiply-adds,
  * so the weight is read from memory once, as bf16: the fusion of the chapter, for a GEMM.
  * Sums are fp32. Rows of w are split among OpenMP threads (torch's own pool where the
- * process loaded torch's libgomp first). Built at first use by tinyserve/bf16_gemm.py. */
-#include <stdint.h>
+ * process loaded torch's libgomp first). Built at first use by tinyserve/native.py. */
 #include <stdlib.h>
-#include <string.h>
 
-typedef float f8 __attribute__((vector_size(32)));
-
-#ifdef __AVX2__
-#include <immintrin.h>
-static inline f8 load_bf16(const uint16_t *p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return (f8)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-#else   /* any other CPU: the compiler picks the vector instructions */
-typedef uint32_t u8 __attribute__((vector_size(32)));
-typedef uint16_t h8 __attribute__((vector_size(16)));
-static inline f8 load_bf16(const uint16_t *p) {
-    h8 h;
-    memcpy(&h, p, sizeof h);
-    u8 u = __builtin_convertvector(h, u8) << 16;
-    f8 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-#endif
-
-static inline f8 load_f32(const float *p) { f8 f; memcpy(&f, p, sizeof f); return f; }
-static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline float sum8(f8 v) { float s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
-
-/* Round to nearest, ties to even, as torch's .to(torch.bfloat16); a NaN stays a NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "simd.h"
 
 /* Where the sums go: the bias added in fp32, then stored as fp32 or rounded once to bf16
  * (what a bf16 model wants; one cast fewer than rounding a whole fp32 output afterwards). */

@@ -8,34 +8,20 @@ then multiplies that: an extra pass over every weight, every step.
 them, so a decode step reads its weights once, as bf16 (the chapter's kernel
 fusion: fewer bytes moved). It is ours because torch ships no such kernel.
 
-The C file is compiled at first use with the system's C compiler (``$CC``, else
-``cc``) for this CPU (``-march=native``) and kept in ``~/.cache/tinyserve/kernels``
-(``$TINYSERVE_CACHE``), keyed by the source, the compiler's flags and the CPU's,
-so a later start loads it in milliseconds. Where no compiler builds it (none
-installed; a compiler without OpenMP, as Apple's clang), ``available()`` is False
-and callers keep torch's path. ``TINYSERVE_BF16_GEMM=0`` turns it off.
+``native`` compiles the C file at first use for this CPU and keeps it; where no
+compiler builds it, ``available()`` is False and callers keep torch's path.
+``TINYSERVE_BF16_GEMM=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from tinyserve.host import cache_root, cpu_flags, cpu_name
+from tinyserve import native
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("bf16_gemm.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # Up to this many rows the kernel beats torch: bf16 F.linear below 6 rows, oneDNN's fp32
 # GEMM on fp32 copies of the weight above (packed_gemm.upcast_matmul). All the GEMMs of a
 # decode step, AMD EPYC Zen 3 (2 threads, 32 MiB L3), the kernel's speed-up, median of 5
@@ -45,39 +31,14 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 64
 
 
-def build(target: Path, compiler: str) -> None:
-    """Compile ``SOURCE`` to the shared library ``target`` (written whole, then renamed:
-    processes building at once never load a half-written file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(built, target)
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None where it cannot be (logged once)."""
-    if os.environ.get("TINYSERVE_BF16_GEMM") == "0":
-        return None
-    compiler = os.environ.get("CC", "cc")
-    # -march=native code runs only where every extension it was built for exists: the key
-    # holds the CPU's flags, so a home directory shared by different machines stays safe.
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(),
-                                    cpu_name(), cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"bf16_gemm-{key}.so"
-    try:
-        if not target.exists():
-            build(target, compiler)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        log.info("bf16 GEMM kernel not built (%s): bf16 weights use torch's GEMMs", detail)
-        return None
-    lib.bf16_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_int] + [ctypes.c_long] * 3
-    lib.bf16_gemm.restype = ctypes.c_int
+    """The compiled kernel (``native.load``), None where it cannot be built."""
+    lib = native.load("bf16_gemm")
+    if lib is not None:
+        lib.bf16_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int] + [ctypes.c_long] * 3
+        lib.bf16_gemm.restype = ctypes.c_int
     return lib
 
 

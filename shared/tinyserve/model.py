@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tinyserve import cpu_attention
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -414,6 +416,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_ctx: i
     scale = q.shape[-1] ** -0.5
     if kernel is not None:
         return kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if cpu_attention.supports(q, k_cache):
+        return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     max_blocks = -(-max_ctx // k_cache.shape[1])
     tables = block_tables[:, :max_blocks]
     keys = gather_kv(k_cache, tables)[:, :max_ctx].transpose(1, 2)    # [B, Hkv, S, D]
