@@ -412,7 +412,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, kernel=None):
     """Single-token requests at once, each over its own blocks: a fused kernel when given
-    (``kernel_ops``), else pad the contexts to ``max_ctx`` and mask the padding."""
+    (``kernel_ops``); else on a CPU our C kernel (``cpu_attention``, where it is built);
+    else pad the contexts to ``max_ctx`` and mask the padding."""
     scale = q.shape[-1] ** -0.5
     if kernel is not None:
         return kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -423,9 +424,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_ctx: i
     keys = gather_kv(k_cache, tables)[:, :max_ctx].transpose(1, 2)    # [B, Hkv, S, D]
     values = gather_kv(v_cache, tables)[:, :max_ctx].transpose(1, 2)
     valid = None
-    # Where every context is max_ctx long (always at B=1) there is no padding to mask, and
-    # attention without a mask is the same arithmetic, bit for bit, at about 2/3 of the cost
-    # of one decode row's attention on a CPU. On a GPU this check would stall the stream.
+    # Where every context is max_ctx long (always at B=1) there is no padding to mask:
+    # attention without a mask is the same arithmetic, bit for bit, in about 2/3 of the time
+    # (one decode row on a CPU). On a GPU this check would stall the stream.
     if q.is_cuda or int(context_lens.min()) < max_ctx:
         valid = (torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]
     dtype = q.dtype
