@@ -4,6 +4,7 @@ and the report says so."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -95,8 +96,11 @@ def test_the_reports_a_machine_writes_live_under_tinyserve_cache(tmp_path, monke
     assert vllm_peer.last_report_path().is_relative_to(tmp_path)
     assert vllm_live.last_path().is_relative_to(tmp_path)
     # make peer's own command line, with `echo` for python, run by the shell as make would.
+    # (As a top-level make: under `make test` the parent's MAKEFLAGS would add directory lines.)
     repo = Path(__file__).resolve().parents[1]
-    line = subprocess.run(["make", "-n", "peer", "PY=echo"], cwd=repo, capture_output=True,
-                          text=True, check=True).stdout.strip().splitlines()[-1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    printed = subprocess.run(["make", "--no-print-directory", "-n", "peer", "PY=echo"], cwd=repo,
+                             env=env, capture_output=True, text=True, check=True).stdout
+    line = next(line for line in printed.splitlines() if "--out" in line)
     said = subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True).stdout
     assert said.split("--out ")[1].strip() == str(vllm_peer.last_report_path())
