@@ -3,9 +3,9 @@
  *
  * A CPU without bf16 instructions (AVX2 only, as an AMD EPYC Zen 3) has no fast bf16 GEMM:
  * torch either multiplies bf16 slowly or needs an fp32 copy of the weight, written to memory
- * and read back. Here each 8 weights are widened to fp32 in a register (a bf16 number is the
- * upper half of an fp32 one: zero-extend, shift left 16) right before their multiply-adds,
- * so the weight is read from memory once, as bf16: the fusion of the chapter, for a GEMM.
+ * and read back. Here each 8 weights are widened to fp32 in a register (simd.h) right before
+ * their multiply-adds, so the weight is read from memory once, as bf16: the fusion of the
+ * chapter, for a GEMM.
  * Sums are fp32. Rows of w are split among OpenMP threads (torch's own pool where the
  * process loaded torch's libgomp first). Built at first use by tinyserve/native.py. */
 #include <stdlib.h>

@@ -12,19 +12,17 @@
 
 #include "simd.h"
 
-/* One cached head vector of D numbers (fp32 or bf16), widened into `out`. */
-static inline void widen(const void *base, int bf16, long index, long D, float *out) {
-    if (!bf16) {
-        memcpy(out, (const float *)base + index * D, sizeof(float) * D);
-        return;
-    }
+/* One cached head vector of D numbers: fp32 read where it lies, bf16 widened into `buf`. */
+static inline const float *head(const void *base, int bf16, long index, long D, float *buf) {
+    if (!bf16) return (const float *)base + index * D;
     const uint16_t *p = (const uint16_t *)base + index * D;
     long d = 0;
     for (; d + 8 <= D; d += 8) {
         f8 v = load_bf16(p + d);
-        memcpy(out + d, &v, sizeof v);
+        memcpy(buf + d, &v, sizeof v);
     }
-    for (; d < D; d++) out[d] = bf16_to_f32(p[d]);
+    for (; d < D; d++) buf[d] = bf16_to_f32(p[d]);
+    return buf;
 }
 
 static inline float dot(const float *a, const float *b, long D) {
@@ -63,7 +61,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
     for (long b = 0; b < B; b++)
         for (long h = 0; h < Hkv; h++) {
             long ctx = lens[b];
-            /* the G query rows, their scores over the context, their sums, one cache row */
+            /* the G query rows, their scores over the context, their sums, one widened row */
             float *qs = malloc(sizeof(float) * (2 * G * D + G * ctx + D));
             if (!qs) {
                 #pragma omp atomic write
@@ -71,11 +69,12 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 continue;
             }
             float *scores = qs + G * D, *acc = scores + G * ctx, *row = acc + G * D;
-            for (long g = 0; g < G; g++) widen(q, bf16, b * Hq + h * G + g, D, qs + g * D);
+            for (long g = 0; g < G; g++)
+                memcpy(qs + g * D, head(q, bf16, b * Hq + h * G + g, D, row), sizeof(float) * D);
             for (long t = 0; t < ctx; t++) {
                 long slot = tables[b * W + t / block_size] * block_size + t % block_size;
-                widen(k_cache, bf16, slot * Hkv + h, D, row);
-                for (long g = 0; g < G; g++) scores[g * ctx + t] = dot(qs + g * D, row, D) * scale;
+                const float *key = head(k_cache, bf16, slot * Hkv + h, D, row);
+                for (long g = 0; g < G; g++) scores[g * ctx + t] = dot(qs + g * D, key, D) * scale;
             }
             for (long g = 0; g < G; g++) {
                 float *s = scores + g * ctx, top = -INFINITY, sum = 0;
@@ -86,8 +85,8 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
             memset(acc, 0, sizeof(float) * G * D);
             for (long t = 0; t < ctx; t++) {
                 long slot = tables[b * W + t / block_size] * block_size + t % block_size;
-                widen(v_cache, bf16, slot * Hkv + h, D, row);
-                for (long g = 0; g < G; g++) axpy(scores[g * ctx + t], row, acc + g * D, D);
+                const float *value = head(v_cache, bf16, slot * Hkv + h, D, row);
+                for (long g = 0; g < G; g++) axpy(scores[g * ctx + t], value, acc + g * D, D);
             }
             for (long g = 0; g < G; g++) {
                 long o = (b * Hq + h * G + g) * D;
