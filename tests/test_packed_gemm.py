@@ -234,6 +234,26 @@ def test_the_output_projection_computes_what_lm_head_computes(tied, rows):
     torch.testing.assert_close(weights.lm_head(x), model.lm_head(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not packed_gemm.packs(torch.bfloat16),
+                    reason="oneDNN packs no bf16 on this CPU: a bf16 model takes the upcast form")
+@pytest.mark.parametrize("rows", [1, packed_gemm.TIED_KERNEL_ROWS, packed_gemm.TIED_KERNEL_ROWS + 1, 9])
+def test_a_tied_bf16_head_of_few_rows_runs_in_our_kernel_and_of_more_in_onednn(rows, monkeypatch):
+    config = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=True)
+    model = LlamaForServing.from_seed(config, seed=3).to(torch.bfloat16)
+    weights = packed_gemm.PackedWeights(model)
+    assert weights.form == "packed" and weights.head is None
+    calls = []
+    kernel = packed_gemm.bf16_gemm.matmul
+    monkeypatch.setattr(packed_gemm.bf16_gemm, "matmul", lambda *a, **k: calls.append(a[1]) or kernel(*a, **k))
+    table = model.model.embed_tokens.weight
+    x = torch.randn(rows, config.hidden_size, dtype=torch.bfloat16)
+    got = weights.lm_head(x)
+    few = rows <= packed_gemm.TIED_KERNEL_ROWS and packed_gemm.bf16_gemm.available()
+    assert [w is table for w in calls] == ([True] if few else [])      # the table as it lies
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, config.vocab_size)
+    torch.testing.assert_close(got.float(), x.float() @ table.float().T, rtol=1.6e-2, atol=1e-2)
+
+
 def test_a_dtype_is_packed_exactly_where_onednn_packs_it_and_bf16_upcast_elsewhere():
     model = LlamaForServing.from_seed(get_preset("tiny"))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

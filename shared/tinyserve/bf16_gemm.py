@@ -7,6 +7,8 @@ then multiplies that: an extra pass over every weight, every step.
 ``bf16_gemm.c`` widens each 8 weights to fp32 in a register right before using
 them, so a decode step reads its weights once, as bf16 (the chapter's kernel
 fusion: fewer bytes moved). It is ours because torch ships no such kernel.
+On CPUs with native bf16 it multiplies one weight more: a tied output projection of a
+few rows, which stays the plain embedding table (``packed_gemm.TIED_KERNEL_ROWS``).
 
 ``native`` compiles the C file at first use for this CPU and keeps it; where no
 compiler builds it, ``available()`` is False and callers keep torch's path.

@@ -17,7 +17,8 @@ The packed copy *replaces* the model's linear weights: once packed, the
 memory), every forward runs on ``PackedWeights``, and ``PackedWeights.unpacked``
 puts dense weights back for as long as a caller needs them (saving a
 checkpoint). A tied output projection is the embedding table itself and is not
-packed (that would copy the table); oneDNN multiplies the plain table instead.
+packed (that would copy the table); oneDNN multiplies the plain table instead (a bf16
+table of a few rows: our kernel, ``tinyserve.bf16_gemm``, which reads it faster).
 
 On a CPU without native bf16 (no AVX512-BF16, AMX or AVX-NE-CONVERT: an AMD EPYC
 Zen 3, most desktop CPUs), oneDNN will not pack bf16, and a bf16 GEMM of many rows
@@ -94,6 +95,12 @@ MIN_ROWS, PAD_PAIRS = 4, 7
 # 1.3-2.3x faster. A 4 MiB buffer beat 1 and 16 MiB.
 UPCAST_MIN_ROWS = 6
 UPCAST_SCRATCH_BYTES = 4 * 2**20
+# A tied bf16 output projection stays the embedding table, plain: oneDNN multiplies a plain
+# weight by re-laying it out on the fly, which halves its read speed at a few rows, so up
+# to this many rows it goes through our kernel (it reads the table as it lies). Qwen2.5-
+# 0.5B's 151936 x 896 table on an AMD EPYC Zen 4 (AVX512-BF16, 2 threads), oneDNN / ours,
+# 9 interleaved pairs: 1 row 16.4 / 8.9 ms (1.83x), 4 rows 1.53x, 6 rows 1.16x, 7 rows 0.94x.
+TIED_KERNEL_ROWS = 4
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -352,10 +359,15 @@ class PackedWeights:
             return self.head(x)[0]
         # The tied table, unpacked: oneDNN multiplies a plain weight too, about twice as fast
         # as F.linear in fp32 (Qwen2.5-0.5B's 151936 x 896 table, AMD EPYC Zen 4: 21.6 ms
-        # against 38.1 at one row, 60.3 against 122.5 at 32), as fast in bf16.
+        # against 38.1 at one row, 60.3 against 122.5 at 32), as fast in bf16; a bf16 table
+        # of a few rows goes faster still through our kernel (TIED_KERNEL_ROWS).
+        table = self.model.lm_head.weight
         if self.form == "upcast":
-            return upcast_matmul(x, self.model.lm_head.weight, None, self.scratch)
-        return onednn_matmul(x, self.model.lm_head.weight, None)
+            return upcast_matmul(x, table, None, self.scratch)
+        if (table.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+                and x.shape[0] <= TIED_KERNEL_ROWS and bf16_gemm.available()):
+            return bf16_gemm.matmul(x, table, None, out_dtype=torch.bfloat16)
+        return onednn_matmul(x, table, None)
 
     def choose_padding(self, pairs: int = PAD_PAIRS):
         """Pad GEMMs of fewer than ``MIN_ROWS`` rows to that many, or not, as measured here:
