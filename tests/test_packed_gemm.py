@@ -75,6 +75,9 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
     dense = {n: p.device.type for n, p in model.named_parameters()}
     assert all(d == "cpu" for d in dense.values()) == (not kept)
     assert (("kept" if kept else "dropped") in path.describe())
+    # Each bucket's line shows the spread of its pairs, not only their median.
+    r = "10.00x (pairs 10.00-10.00, n=9)" if kept else "0.10x (pairs 0.10-0.10, n=9)"
+    assert f"B=2: {want} ({r})" in path.describe()
     assert (path.padding is not None) == kept
     if kept:
         assert "not padded" in path.describe() and path.weights.pad_to == 1

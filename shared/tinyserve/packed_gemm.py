@@ -37,7 +37,7 @@ first layers packed in place against as many of the next layers, dense and of
 the same shapes (each side's weights twice the last-level cache: streamed from
 memory as a step streams the model), at a realistic context
 (``CHOICE_CONTEXT``), in interleaved pairs (``host.paired_ratio``): a bucket
-chooses packed when most of its pairs found it faster. There is one copy of the
+chooses packed when all of its pairs but one found it faster. There is one copy of the
 weights, so the choice is one for the whole model: the weights are packed if any
 bucket chose it, and stay dense if every bucket chose eager. ``choices`` and
 ``speedups`` record what was measured (``describe`` prints them; the engine logs
@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 
 from tinyserve import bf16_gemm
-from tinyserve.host import l3_cache_bytes, paired_ratio
+from tinyserve.host import PairedRatio, l3_cache_bytes, paired_ratio
 from tinyserve.model import KVCache, LlamaForServing, scratch_layers
 
 log = logging.getLogger(__name__)
@@ -429,8 +429,10 @@ class PackedDecode:
         self.weights: PackedWeights | None = None
         self.pack_seconds = 0.0
         self.warm_up_seconds = 0.0      # packing and choosing, at start
-        # bucket -> eager time / packed time measured at start (> 1: packed is faster)
+        # bucket -> eager time / packed time measured at start (> 1: packed is faster): the
+        # median, and all the pairs (a bucket whose pairs straddle 1 stays eager)
         self.speedups: dict[int, float] = {}
+        self.timings: dict[int, PairedRatio] = {}
         self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
         self.layers_timed = 0           # choosing: the decoder layers timed per bucket and side
@@ -476,8 +478,9 @@ class PackedDecode:
         self.layers_timed, self.eager_from = n, n if in_place else 0
         for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
             ratio = self.time_against_eager(size, probe, eager_from=self.eager_from)
-            self.speedups[size] = ratio.median
-            # Most pairs must agree: a tie does not flip between runs into packing.
+            self.speedups[size], self.timings[size] = ratio.median, ratio
+            # All pairs but one must agree (host.PairedRatio.low is the second-smallest): a
+            # tie does not flip into packing from run to run.
             self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
         if "packed" in self.choices.values() and in_place:
             return probe
@@ -529,14 +532,14 @@ class PackedDecode:
         if not self.choose:
             return (f"weights packed for oneDNN in {self.pack_seconds:.1f} s (pinned: "
                     f"enforce_eager=False); every step runs on them{padding}")
-        parts = [f"B={s}: {self.choices[s]} ({self.speedups[s]:.2f}x)" for s in self.choices]
+        parts = [f"B={s}: {self.choices[s]} ({self.timings[s]})" for s in self.choices]
         kept = ("packed weights kept, every step runs on them" if self.weights is not None
                 else "every bucket chose eager: packing dropped")
         n, first = self.layers_timed, self.eager_from
         timed = (f"layers 1-{n} packed against {first + 1}-{first + n} dense" if first
                  else "a packed copy of layer 1 against itself")
         return (f"{kept}; {timed} (of {self.model.config.num_hidden_layers}), a decode step per "
-                f"bucket (eager time / packed time, median of {CHOICE_PAIRS} pairs at start): "
+                f"bucket (eager time / packed time at start; packed where all pairs but one say so): "
                 + ", ".join(parts) + padding)
 
 
