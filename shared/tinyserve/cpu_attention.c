@@ -12,10 +12,10 @@
 
 #include "simd.h"
 
-/* One cached head vector of D numbers: fp32 read where it lies, bf16 widened into `buf`. */
-static inline const float *head(const void *base, int bf16, long index, long D, float *buf) {
-    if (!bf16) return (const float *)base + index * D;
-    const uint16_t *p = (const uint16_t *)base + index * D;
+/* The D numbers from element `at` on: fp32 read where they lie, bf16 widened into `buf`. */
+static inline const float *head(const void *base, int bf16, long at, long D, float *buf) {
+    if (!bf16) return (const float *)base + at;
+    const uint16_t *p = (const uint16_t *)base + at;
     long d = 0;
     for (; d + 8 <= D; d += 8) {
         f8 v = load_bf16(p + d);
@@ -23,6 +23,49 @@ static inline const float *head(const void *base, int bf16, long index, long D, 
     }
     for (; d < D; d++) buf[d] = bf16_to_f32(p[d]);
     return buf;
+}
+
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+/* e^x in 8 lanes for x <= 0 (a softmax's shifted scores; glibc's expf, one lane per call, was
+ * a sixth of this kernel's time): x = n ln2 + r with |r| <= ln2/2, e^r = 1 + r + r^2 P(r) with
+ * the coefficients of Cephes' expf, 2^n written into the exponent bits. x below -87 is taken
+ * as -87 (e^-87 ~ 1.6e-38: nothing beside a softmax's largest term, 1). A NaN stays NaN. */
+static inline f8 exp8(f8 x) {
+    const f8 lo = {-87, -87, -87, -87, -87, -87, -87, -87};
+    const f8 magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                      12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};   /* 1.5 * 2^23 */
+    i8 below = x < lo;
+    x = (f8)(((i8)x & ~below) | ((i8)lo & below));
+    f8 v = x * 1.44269504089f + magic;         /* round(x / ln2) in the low bits */
+    i8 n = (i8)v - (i8)magic;
+    f8 nf = v - magic;
+    f8 r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;   /* ln2 in two parts */
+    f8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (f8)((n + 127) << 23);
+}
+
+/* The 8 lane-sums of a[0..7] as one vector, [sum(a[0]), ..., sum(a[7])]: one transpose-add
+ * instead of 8 separate reductions. */
+static inline f8 sums8(const f8 a[8]) {
+#ifdef __AVX2__
+    __m256 h01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    __m256 h23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 h45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    __m256 h67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    return (f8)_mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                             _mm256_permute2f128_ps(h0123, h4567, 0x31));
+#else
+    f8 s;
+    for (int j = 0; j < 8; j++) s[j] = sum8(a[j]);
+    return s;
+#endif
 }
 
 static inline float dot(const float *a, const float *b, long D) {
@@ -61,32 +104,87 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
     for (long b = 0; b < B; b++)
         for (long h = 0; h < Hkv; h++) {
             long ctx = lens[b];
-            /* the G query rows, their scores over the context, their sums, one widened row */
-            float *qs = malloc(sizeof(float) * (2 * G * D + G * ctx + D));
-            if (!qs) {
+            /* where each token's head vector starts; the G query rows, their scores over the
+             * context, their sums; one widened row, 8 widened keys */
+            long *at = malloc(sizeof(long) * ctx + sizeof(float) * (2 * G * D + G * ctx + 9 * D));
+            if (!at) {
                 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            float *scores = qs + G * D, *acc = scores + G * ctx, *row = acc + G * D;
+            float *qs = (float *)(at + ctx), *scores = qs + G * D, *acc = scores + G * ctx;
+            float *row = acc + G * D, *kbuf = row + D;
+            /* at[t]: token t's element offset in either cache, walked block by block once
+             * rather than divided out of t for every use. */
+            for (long i = 0, t = 0; t < ctx; i++)
+                for (long o = 0; o < block_size && t < ctx; o++, t++)
+                    at[t] = ((tables[b * W + i] * block_size + o) * Hkv + h) * D;
             for (long g = 0; g < G; g++)
-                memcpy(qs + g * D, head(q, bf16, b * Hq + h * G + g, D, row), sizeof(float) * D);
-            for (long t = 0; t < ctx; t++) {
-                long slot = tables[b * W + t / block_size] * block_size + t % block_size;
-                const float *key = head(k_cache, bf16, slot * Hkv + h, D, row);
+                memcpy(qs + g * D, head(q, bf16, (b * Hq + h * G + g) * D, D, row),
+                       sizeof(float) * D);
+            /* Scores 8 tokens at a time: each query row against 8 keys, the 8 dot products'
+             * partial sums reduced across lanes together. */
+            long t = 0, D8 = D & ~7L;
+            for (; t + 8 <= ctx; t += 8) {
+                const float *keys[8];
+                for (int j = 0; j < 8; j++)
+                    keys[j] = head(k_cache, bf16, at[t + j], D, kbuf + j * D);
+                for (long g = 0; g < G; g++) {
+                    const float *qg = qs + g * D;
+                    f8 a[8] = {{0}};
+                    for (long d = 0; d < D8; d += 8) {
+                        f8 qv = load_f32(qg + d);
+                        for (int j = 0; j < 8; j++) a[j] += qv * load_f32(keys[j] + d);
+                    }
+                    f8 sc = sums8(a);
+                    for (int j = 0; j < 8; j++) {
+                        float x = sc[j];
+                        for (long d = D8; d < D; d++) x += qg[d] * keys[j][d];
+                        scores[g * ctx + t + j] = x * scale;
+                    }
+                }
+            }
+            for (; t < ctx; t++) {
+                const float *key = head(k_cache, bf16, at[t], D, row);
                 for (long g = 0; g < G; g++) scores[g * ctx + t] = dot(qs + g * D, key, D) * scale;
             }
             for (long g = 0; g < G; g++) {
                 float *s = scores + g * ctx, top = -INFINITY, sum = 0;
                 for (long t = 0; t < ctx; t++) top = s[t] > top ? s[t] : top;
-                for (long t = 0; t < ctx; t++) sum += s[t] = expf(s[t] - top);
+                f8 top8 = {top, top, top, top, top, top, top, top}, sum8v = {0};
+                long t = 0;
+                for (; t + 8 <= ctx; t += 8) {
+                    f8 e = exp8(load_f32(s + t) - top8);
+                    memcpy(s + t, &e, sizeof e);
+                    sum8v += e;
+                }
+                sum = sum8(sum8v);
+                for (; t < ctx; t++) sum += s[t] = expf(s[t] - top);
                 for (long t = 0; t < ctx; t++) s[t] /= sum;
             }
+            /* Values: per query row, up to 64 of its sums held in registers (8 vectors) while
+             * the row's weights run over the context; the rest of a row's D by lanes. */
             memset(acc, 0, sizeof(float) * G * D);
-            for (long t = 0; t < ctx; t++) {
-                long slot = tables[b * W + t / block_size] * block_size + t % block_size;
-                const float *value = head(v_cache, bf16, slot * Hkv + h, D, row);
-                for (long g = 0; g < G; g++) axpy(scores[g * ctx + t], value, acc + g * D, D);
+            for (long g = 0; g < G; g++) {
+                const float *p = scores + g * ctx;
+                float *out_g = acc + g * D;
+                long d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) {
+                    f8 a[8] = {{0}};
+                    for (long t = 0; t < ctx; t++) {
+                        long e = at[t] + d0;
+                        f8 pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
+                        for (int c = 0; c < 8; c++)
+                            a[c] += pt * (bf16 ? load_bf16((const uint16_t *)v_cache + e + 8 * c)
+                                               : load_f32((const float *)v_cache + e + 8 * c));
+                    }
+                    memcpy(out_g + d0, a, sizeof a);
+                }
+                if (d0 < D)
+                    for (long t = 0; t < ctx; t++) {
+                        const float *value = head(v_cache, bf16, at[t], D, row);
+                        axpy(p[t], value + d0, out_g + d0, D - d0);
+                    }
             }
             for (long g = 0; g < G; g++) {
                 long o = (b * Hq + h * G + g) * D;
@@ -95,7 +193,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 else
                     memcpy((float *)out + o, acc + g * D, sizeof(float) * D);
             }
-            free(qs);
+            free(at);
         }
     return failed ? -1 : 0;
 }
