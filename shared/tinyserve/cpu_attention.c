@@ -182,8 +182,8 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 }
                 if (d0 < D)
                     for (long t = 0; t < ctx; t++) {
-                        const float *value = head(v_cache, bf16, at[t], D, row);
-                        axpy(p[t], value + d0, out_g + d0, D - d0);
+                        const float *value = head(v_cache, bf16, at[t] + d0, D - d0, row);
+                        axpy(p[t], value, out_g + d0, D - d0);
                     }
             }
             for (long g = 0; g < G; g++) {

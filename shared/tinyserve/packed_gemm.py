@@ -40,7 +40,7 @@ memory as a step streams the model), at a realistic context
 chooses packed when all of its pairs but one found it faster. There is one copy of the
 weights, so the choice is one for the whole model: the weights are packed if any
 bucket chose it, and stay dense if every bucket chose eager. ``choices`` and
-``speedups`` record what was measured (``describe`` prints them; the engine logs
+``timings`` record what was measured (``describe`` prints them; the engine logs
 them). The timing is a start-up sample on whatever else the machine was doing
 then, not a guarantee for every later step. Packing releases each dense weight as
 soon as it is merged for its GEMM, so start-up never holds more than one GEMM's
@@ -429,15 +429,19 @@ class PackedDecode:
         self.weights: PackedWeights | None = None
         self.pack_seconds = 0.0
         self.warm_up_seconds = 0.0      # packing and choosing, at start
-        # bucket -> eager time / packed time measured at start (> 1: packed is faster): the
-        # median, and all the pairs (a bucket whose pairs straddle 1 stays eager)
-        self.speedups: dict[int, float] = {}
+        # bucket -> eager time / packed time measured at start, all its pairs (> 1: packed
+        # is faster; a bucket whose pairs straddle 1 stays eager)
         self.timings: dict[int, PairedRatio] = {}
         self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
         self.layers_timed = 0           # choosing: the decoder layers timed per bucket and side
         self.eager_from = 0             # choosing: the first layer of the dense side
         self.padding = None             # packed: PairedRatio of 1-row GEMMs unpadded / padded
+
+    @property
+    def speedups(self) -> dict[int, float]:
+        """bucket -> the median of its pairs, eager time / packed time (> 1: packed is faster)."""
+        return {size: ratio.median for size, ratio in self.timings.items()}
 
     def weights_for(self, decode: bool) -> PackedWeights | None:
         """The packed weights every step runs on while they are kept (None: the dense
@@ -478,7 +482,7 @@ class PackedDecode:
         self.layers_timed, self.eager_from = n, n if in_place else 0
         for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
             ratio = self.time_against_eager(size, probe, eager_from=self.eager_from)
-            self.speedups[size], self.timings[size] = ratio.median, ratio
+            self.timings[size] = ratio
             # All pairs but one must agree (host.PairedRatio.low is the second-smallest): a
             # tie does not flip into packing from run to run.
             self.choices[size] = "packed" if ratio.low >= 1.0 else "eager"
