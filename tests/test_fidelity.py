@@ -354,3 +354,37 @@ def test_a_live_miss_names_the_term_at_fault():
     first |= {"vllm_preemptions": 3.0}
     vllm_live.at_fault(rows, light, [first])
     assert first["at_fault"] == "preemption: vLLM preempted 3 times, the simulator 0"
+
+
+def test_a_poisson_miss_near_capacity_names_the_simulators_capacity():
+    from tinyserve.bench import vllm_live
+
+    rows = [m for m in vllm_live.measurements(live_run()) if "short-in-long-out" in m["id"]]
+    top, point = rows[1], rows[2]                  # c8, the shape's highest concurrency; Poisson
+    capacity = top["measured"]["request_throughput"]
+    point = point | {"workload": point["workload"] | {"request_rate": 0.9 * capacity}}
+    said = lambda share: vllm_live.capacity_at_fault(rows, point, {(top["id"], "request_throughput"): share * capacity})
+    # At 90% load the queue grows as 0.9 / 0.1 = 9; 1% less capacity makes it 10.0 (+11%,
+    # within the goal), 2% less 11.25 (+25%), 6% less 22.5.
+    assert said(1.0) is None and said(0.99) is None
+    assert said(0.98) is not None
+    assert said(0.94) == (f"capacity: at c8 the simulator serves {0.94 * capacity:.3g} req/s where vLLM served "
+                          f"{capacity:.3g} (-6%), so this rate loads it to 96% of its capacity, not 90%: a queue "
+                          f"near capacity grows as load / (1 - load), 9.0 -> 22.5")
+    assert said(1.1).startswith("capacity: at c8") and "not 90%: " in said(1.1)      # too much capacity
+    assert said(0.85).endswith("loads it to 106% of its capacity, not 90%: a queue near capacity grows as "
+                               "load / (1 - load), 9.0 -> unbounded")
+    assert vllm_live.capacity_at_fault(rows, point, {}) is None                     # no prediction there
+    # Through at_fault: a Poisson line that misses, and its capacity point's prediction.
+    line = {"id": point["id"], "load": "poisson", "metric": "median_ttft", "predicted": 1.0, "judged": True,
+            "within_goal": False, "vllm_preemptions": 0.0, "sim_preemptions": 0.0, "vllm_batch": 8.0,
+            "sim_batch": 8.0}
+    capacity_line = {"id": top["id"], "load": "c8", "metric": "request_throughput",
+                     "predicted": 0.94 * capacity, "judged": False, "within_goal": None}
+    vllm_live.at_fault([m if m["id"] != point["id"] else point for m in rows], VLLM_LIKE, [line, capacity_line])
+    assert line["at_fault"] == said(0.94) and "at_fault" not in capacity_line
+    # replay reads it again without the cost terms' search, which it leaves to the saved words.
+    fixed = line | {"id": top["id"], "load": "c8", "metric": "median_tpot"}
+    fixed.pop("at_fault")
+    vllm_live.at_fault(rows, VLLM_LIKE, [fixed, capacity_line], search=False)
+    assert "at_fault" not in fixed

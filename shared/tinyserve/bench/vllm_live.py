@@ -196,16 +196,48 @@ def scaled(model, term: str, k: float):
     return model.with_params(**params)
 
 
-def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
+def queue_factor(load: float) -> float:
+    """How a queue near capacity grows with the load ``load`` (arrival rate / capacity):
+    the mean wait of one server with Poisson arrivals is proportional to load / (1 - load)."""
+    return load / (1 - load) if load < 1 else math.inf
+
+
+def capacity_at_fault(rows: Sequence[dict], point: dict, predicted: dict) -> str | None:
+    """For a Poisson ``point``: the words naming the simulator's capacity as the term at
+    fault, or None. Its rate was a share of the capacity vLLM reached at the shape's
+    highest concurrency; where the simulator's capacity there is off, the same rate loads
+    it more or less, and near capacity the queue's growth (``queue_factor``) multiplies
+    that error: at 90% load a 1.5% capacity error already moves it by about 15%. Named when it
+    alone moves the queue by more than ``GOAL``."""
+    fixed = [m for m in rows if m["source"] == point["source"] and m["workload"].get("max_concurrency")]
+    top = max(fixed, key=lambda m: m["workload"]["max_concurrency"], default=None)
+    simulated = top and predicted.get((top["id"], "request_throughput"))
+    if not simulated:
+        return None
+    rate, measured = point["workload"]["request_rate"], top["measured"]["request_throughput"]
+    vllm_load, sim_load = rate / measured, rate / simulated
+    if abs(queue_factor(sim_load) / queue_factor(vllm_load) - 1) <= GOAL:
+        return None
+    return (f"capacity: at c{top['workload']['max_concurrency']} the simulator serves {simulated:.3g} req/s where "
+            f"vLLM served {measured:.3g} ({simulated / measured - 1:+.0%}), so this rate loads it to "
+            f"{sim_load:.0%} of its capacity, not {vllm_load:.0%}: a queue near capacity grows as load / (1 - load), "
+            f"{queue_factor(vllm_load):.1f} -> {queue_factor(sim_load):.1f}").replace("-> inf", "-> unbounded")
+
+
+def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = True) -> None:
     """Name the term at fault on each judged line that misses (its ``"at_fault"``).
 
     vLLM's own counters first: preemptions, or at a fixed concurrency a batch, that the
     simulator did not reproduce on the same requests are its scheduler replay, not a
-    cost. Else the measurement that shows the term is the missed shape's whole curve:
+    cost. Under Poisson arrivals near capacity, next, the simulator's capacity
+    (``capacity_at_fault``). Else the measurement that shows the term is the missed shape's whole curve:
     each cost term in turn is scaled alone (``SCALES``) over that shape's points at a
     fixed concurrency, and the one that brings the shape's worst miss on that metric
-    lowest is named, with the factor (or none, if no term alone brings it lower)."""
+    lowest is named, with the factor (or none, if no term alone brings it lower);
+    ``search=False`` stops before that search (minutes on a sweep)."""
     missed = [line for line in lines if line["judged"] and not line["within_goal"]]
+    by_id = {m["id"]: m for m in rows}
+    predicted = {(line["id"], line["metric"]): line["predicted"] for line in lines}
     for line in missed:
         if line["vllm_preemptions"] is not None and abs(line["vllm_preemptions"] - line["sim_preemptions"]) >= 1:
             line["at_fault"] = (f"preemption: vLLM preempted {line['vllm_preemptions']:.0f} times, "
@@ -216,8 +248,10 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict]) -> None:
             # arrivals it also follows the step time (slower steps gather more arrivals).
             line["at_fault"] = (f"batch: vLLM ran {line['vllm_batch']:.1f} sequences per step, "
                                 f"the simulator {line['sim_batch']:.1f}")
-    by_id = {m["id"]: m for m in rows}
-    predicted = {(line["id"], line["metric"]): line["predicted"] for line in lines}
+        elif line["load"] == "poisson" and (said := capacity_at_fault(rows, by_id[line["id"]], predicted)):
+            line["at_fault"] = said
+    if not search:
+        return
     costs = [line for line in missed if "at_fault" not in line]
     for source in {by_id[line["id"]]["source"] for line in costs}:
         # Its points at a fixed concurrency: under Poisson arrivals a step-time error
@@ -322,12 +356,16 @@ def last() -> dict | None:
 
 def replay(saved: dict) -> dict:
     """Today's simulator on a saved sweep, with the cost model fitted then (no refit, and
-    no search for the term at fault: the saved report's words are kept where the same
-    point still misses); ``judge``'s report."""
-    out, _ = judge(saved["run"], saved["report"]["calibrate"], EngineCostModel(**saved["report"]["fitted"]))
+    no search for the term at fault: vLLM's counters and the capacity are read again,
+    the saved report's words kept for the rest where the same point still misses);
+    ``judge``'s report."""
+    model = EngineCostModel(**saved["report"]["fitted"])
+    out, rows = judge(saved["run"], saved["report"]["calibrate"], model)
+    at_fault(rows, model, out["rows"], search=False)
     said = {(r["id"], r["metric"]): r["at_fault"] for r in saved["report"]["rows"] if "at_fault" in r}
     for line in out["rows"]:
-        if line["judged"] and not line["within_goal"] and (line["id"], line["metric"]) in said:
+        if (line["judged"] and not line["within_goal"] and "at_fault" not in line
+                and (line["id"], line["metric"]) in said):
             line["at_fault"] = said[line["id"], line["metric"]]
     return out
 
