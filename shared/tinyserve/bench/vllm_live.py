@@ -207,7 +207,7 @@ def capacity_at_fault(rows: Sequence[dict], point: dict, predicted: dict) -> str
     fault, or None. Its rate was a share of the capacity vLLM reached at the shape's
     highest concurrency; where the simulator's capacity there is off, the same rate loads
     it more or less, and near capacity the queue's growth (``queue_factor``) multiplies
-    that error: at 90% load a 1.5% capacity error already moves it by about 15%. Named when it
+    that error: at 90% load a 1.5% capacity error moves it by about 15%. Named when it
     alone moves the queue by more than ``GOAL``."""
     fixed = [m for m in rows if m["source"] == point["source"] and m["workload"].get("max_concurrency")]
     top = max(fixed, key=lambda m: m["workload"]["max_concurrency"], default=None)
@@ -218,10 +218,11 @@ def capacity_at_fault(rows: Sequence[dict], point: dict, predicted: dict) -> str
     vllm_load, sim_load = rate / measured, rate / simulated
     if abs(queue_factor(sim_load) / queue_factor(vllm_load) - 1) <= GOAL:
         return None
+    shown = lambda load: "unbounded" if load >= 1 else f"{queue_factor(load):.1f}"
     return (f"capacity: at c{top['workload']['max_concurrency']} the simulator serves {simulated:.3g} req/s where "
             f"vLLM served {measured:.3g} ({simulated / measured - 1:+.0%}), so this rate loads it to "
             f"{sim_load:.0%} of its capacity, not {vllm_load:.0%}: a queue near capacity grows as load / (1 - load), "
-            f"{queue_factor(vllm_load):.1f} -> {queue_factor(sim_load):.1f}").replace("-> inf", "-> unbounded")
+            f"{shown(vllm_load)} -> {shown(sim_load)}")
 
 
 def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = True) -> None:
@@ -230,11 +231,11 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = 
     vLLM's own counters first: preemptions, or at a fixed concurrency a batch, that the
     simulator did not reproduce on the same requests are its scheduler replay, not a
     cost. Under Poisson arrivals near capacity, next, the simulator's capacity
-    (``capacity_at_fault``). Else the measurement that shows the term is the missed shape's whole curve:
-    each cost term in turn is scaled alone (``SCALES``) over that shape's points at a
-    fixed concurrency, and the one that brings the shape's worst miss on that metric
-    lowest is named, with the factor (or none, if no term alone brings it lower);
-    ``search=False`` stops before that search (minutes on a sweep)."""
+    (``capacity_at_fault``). Else the measurement that shows the term is the missed
+    shape's whole curve: each cost term in turn is scaled alone (``SCALES``) over that
+    shape's points at a fixed concurrency, and the one that brings the shape's worst
+    miss on that metric lowest is named, with the factor (or none, if no term alone
+    brings it lower); ``search=False`` stops before that search (minutes on a sweep)."""
     missed = [line for line in lines if line["judged"] and not line["within_goal"]]
     by_id = {m["id"]: m for m in rows}
     predicted = {(line["id"], line["metric"]): line["predicted"] for line in lines}
