@@ -216,13 +216,14 @@ def capacity_at_fault(rows: Sequence[dict], point: dict, predicted: dict) -> str
         return None
     rate, measured = point["workload"]["request_rate"], top["measured"]["request_throughput"]
     vllm_load, sim_load = rate / measured, rate / simulated
-    if abs(queue_factor(sim_load) / queue_factor(vllm_load) - 1) <= GOAL:
+    before, after = queue_factor(vllm_load), queue_factor(sim_load)
+    if abs(after / before - 1) <= GOAL:
         return None
-    shown = lambda load: "unbounded" if load >= 1 else f"{queue_factor(load):.1f}"
+    shown = lambda factor: "unbounded" if math.isinf(factor) else f"{factor:.1f}"
     return (f"capacity: at c{top['workload']['max_concurrency']} the simulator serves {simulated:.3g} req/s where "
             f"vLLM served {measured:.3g} ({simulated / measured - 1:+.0%}), so this rate loads it to "
             f"{sim_load:.0%} of its capacity, not {vllm_load:.0%}: a queue near capacity grows as load / (1 - load), "
-            f"{shown(vllm_load)} -> {shown(sim_load)}")
+            f"{shown(before)} -> {shown(after)}")
 
 
 def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = True) -> None:
