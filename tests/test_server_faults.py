@@ -517,8 +517,9 @@ def test_a_client_disconnect_logs_one_line(srv, caplog):
 
 # ---- observability ---------------------------------------------------------------------
 
-HISTOGRAMS = ("tinyserve:time_to_first_token_seconds", "tinyserve:time_per_output_token_seconds",
-              "tinyserve:e2e_request_latency_seconds")
+LATENCIES = ("tinyserve:time_to_first_token_seconds", "tinyserve:time_per_output_token_seconds",
+             "tinyserve:e2e_request_latency_seconds")
+STEP_TOKENS = "tinyserve:iteration_tokens_total"
 
 
 def test_metrics_histograms_and_fault_counters():
@@ -536,7 +537,7 @@ def test_metrics_histograms_and_fault_counters():
         families = _metrics(bg)
     finally:
         bg.close()
-    for name in HISTOGRAMS:
+    for name in LATENCIES + (STEP_TOKENS,):
         family = families[name]
         assert family.type == "histogram"
         buckets = [(s.labels["le"], s.value) for s in family.samples if s.name == name + "_bucket"]
@@ -546,8 +547,16 @@ def test_metrics_histograms_and_fault_counters():
         assert bounds == sorted(bounds) and counts == sorted(counts)        # cumulative
         count = next(s.value for s in family.samples if s.name == name + "_count")
         total = next(s.value for s in family.samples if s.name == name + "_sum")
-        assert counts[-1] == count == 4 and total > 0
+        assert counts[-1] == count and total > 0
         assert all(s.labels["model_name"] == "tiny" for s in family.samples)
+        if name in LATENCIES:
+            assert count == 4               # one per request
+        else:                               # one per step, of the tokens it scheduled
+            steps = list(engine.step_stats)
+            assert count == len(steps) == engine.core.num_steps
+            assert total == sum(st.num_scheduled_tokens for st in steps)
+            for le, n in buckets:
+                assert n == sum(st.num_scheduled_tokens <= float(le) for st in steps)
     assert _counter(families, "tinyserve:num_preemptions_total") > 0
     assert _counter(families, "tinyserve:request_rejected_total") == 1
     assert _counter(families, "tinyserve:request_failure_total") == 0

@@ -22,7 +22,7 @@ from tinyserve.core import DEFAULT_STEP_STATS_WINDOW, EngineCore
 from tinyserve.executor import ModelExecutor
 from tinyserve.hf_tokenizer import load_checkpoint_tokenizer
 from tinyserve.kv_cache import BlockManager, blocks_for
-from tinyserve.metrics import RequestMetrics, request_metrics
+from tinyserve.metrics import RequestMetrics, StepStats, request_metrics
 from tinyserve.model import TRAINED_MODELS, LlamaForServing, default_device, get_preset
 from tinyserve.request import Request, SamplingParams
 from tinyserve.scheduler import SchedulerConfig
@@ -97,6 +97,7 @@ class LLMEngine:
                                step_stats_window=step_stats_window)
         self.scheduler = self.core.scheduler
         self.step_stats = self.core.step_stats
+        self.last_step: StepStats | None = None     # kept whatever step_stats_window is
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, StreamDetokenizer] = {}
         self._ids = itertools.count()
@@ -198,6 +199,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step of the core loop; returns the requests that emitted a token."""
         result = self.core.step()
+        self.last_step = result.stats
         outputs = [self._output(item.request) for item in result.plan.scheduled if item.samples]
         for request in result.finished:
             del self.requests[request.request_id]

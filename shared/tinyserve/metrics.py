@@ -162,6 +162,9 @@ TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 
                 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens scheduled in one engine step (prefill + decode), as vLLM's iteration_tokens_total:
+# powers of two, so that a step budget of 2^k tokens is a bucket's upper edge.
+STEP_TOKEN_BUCKETS = tuple(2 ** k for k in range(15))
 
 
 class Histogram:

@@ -397,8 +397,9 @@ METRICS = [
     ("generation_tokens_total", "counter", "Output tokens generated.", "generation_tokens_total"),
 ]
 
-# name, help, value key (a Histogram): observed once per request that finished by stop
-# or length, on the engine's clock, from when the server received it.
+# name, help, value key (a Histogram): the latencies observed once per request that
+# finished by stop or length, on the engine's clock, from when the server received it;
+# the step tokens once per engine step.
 HISTOGRAMS = [
     ("time_to_first_token_seconds", "Time to first token: first token - arrival, seconds.",
      "ttft"),
@@ -407,6 +408,7 @@ HISTOGRAMS = [
      "tpot"),
     ("e2e_request_latency_seconds", "End-to-end request latency: finish - arrival, seconds.",
      "e2e"),
+    ("iteration_tokens_total", "Tokens scheduled per engine step (prefill + decode).", "step_tokens"),
 ]
 
 
@@ -443,7 +445,8 @@ async def metrics(request: web.Request) -> web.Response:
                       request_failure_total=loop_.request_failure_total,
                       prompt_tokens_total=loop_.prompt_tokens_total,
                       generation_tokens_total=loop_.generation_tokens_total,
-                      ttft=loop_.ttft.copy(), tpot=loop_.tpot.copy(), e2e=loop_.e2e.copy())
+                      ttft=loop_.ttft.copy(), tpot=loop_.tpot.copy(), e2e=loop_.e2e.copy(),
+                      step_tokens=loop_.step_tokens.copy())
         return values
 
     values = await loop_.call(snapshot)

@@ -38,7 +38,8 @@ Where the names come from (read with the search tool, not copied):
   at 40ef116f011cf1599811af1089ddf00971092bcf shows the older ``time_per_output_token_seconds``,
   whose count matches the generated tokens: it too was per token.
 * tinyserve: ``tinyserve.serving.app`` (``/metrics``, the ``tinyserve:`` prefix, a
-  ``model_name`` label). It has no inter-token or queue-time histogram.
+  ``model_name`` label). It has no inter-token or queue-time histogram; its tokens per
+  step carry vLLM's name (``iteration_tokens_total``), in power-of-two buckets.
 
 Per-token histograms (vLLM's ``inter_token_latency_seconds`` and its older name,
 SGLang's) are inter-token latency (ITL), not TPOT: TPOT is one number per request.
@@ -118,6 +119,7 @@ TINYSERVE = Dialect("tinyserve", "tinyserve:", {
     "ttft": names("tinyserve:time_to_first_token_seconds"),
     "tpot": names(("tinyserve:time_per_output_token_seconds", "per request")),
     "e2e": names("tinyserve:e2e_request_latency_seconds"),
+    "step_tokens": names(("tinyserve:iteration_tokens_total", "tokens per engine step")),
 })
 
 VLLM = Dialect("vllm", "vllm:", {

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from tinyserve.engine import LLMEngine, RequestOutput
-from tinyserve.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
+from tinyserve.metrics import E2E_BUCKETS, STEP_TOKEN_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
 from tinyserve.request import Request, RequestStatus, SamplingParams
 from tinyserve.serving.stops_and_logprobs import StopStrings
 
@@ -97,6 +97,8 @@ class EngineLoop:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        # Per step: the mean batch is generated tokens / steps, whenever /metrics is read.
+        self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
 
     # -- lifecycle --
     def start(self) -> None:
@@ -169,6 +171,7 @@ class EngineLoop:
                 self._fail_step(exc)
                 continue
             self.num_steps += 1
+            self.step_tokens.observe(engine.last_step.num_scheduled_tokens)
             self._deliver(outputs, engine.take_sample_failures())
         self._fail_all(EngineError("server is shutting down"))
 

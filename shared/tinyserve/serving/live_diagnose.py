@@ -15,9 +15,10 @@ reads, and the diagnosis is that same function, the one notebook 08 teaches:
   change per second (a queue that grows while arrivals outpace completions, or
   while the batch is at its cap, is overload, whatever the latency of the requests
   that did finish); ``mean_batch_size``: generated tokens / engine steps where the
-  engine counts its steps (vLLM's tokens-per-step histogram: every sequence past its
-  prefill adds one token to a step), else the running gauge averaged over the two
-  scrapes (a live vLLM's gauge read 0 at a scrape while its steps ran 4 sequences);
+  engine counts its steps (vLLM's and tinyserve's tokens-per-step histogram: every
+  sequence past its prefill adds one token to a step), else the running gauge averaged
+  over the two scrapes (a live vLLM's gauge read 0 at a scrape while its steps ran 4
+  sequences; ours read 1 at both while its 2 seats stayed full);
   per engine either way (vLLM's data-parallel engines, ``engine`` label, and SGLang's
   ``dp_rank`` each have their own batch; of SGLang's tensor/pipeline ranks one is
   read); ``mean_kv_usage``: the KV-usage gauge, averaged;
@@ -25,7 +26,7 @@ reads, and the diagnosis is that same function, the one notebook 08 teaches:
   stalled server); ``mean_context_len``: mean prompt + half the mean output of the
   window's tokens per finished request, where a decode step's context sits on
   average (for the context-aware crossover);
-* ``step_token_ceiling``, ``step_share_at_ceiling``: vLLM's tokens-per-step
+* ``step_token_ceiling``, ``step_share_at_ceiling``: the tokens-per-step
   histogram, its highest non-empty bucket and the share of steps in it (steps
   pinned at one count while requests wait: the token budget);
 * ``{mean,median,p99}_{ttft,tpot,itl,e2e}`` and ``mean_queue_time``: the window's
