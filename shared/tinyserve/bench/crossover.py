@@ -301,6 +301,9 @@ def _best_cpu_time(fn, repeats: int) -> float:
 
 # ---- (b) tinyserve's own model, through the engine -----------------------------------------
 
+TPOT_ROUNDS = 5     # LLM.generate calls per batch size, each beside a pure step
+
+
 def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_len: int = 4,
                  seed: int = 0, dtype: str = "auto", enforce_eager: bool = True,
                  tpot_batches=()) -> tuple[list[float], dict]:
@@ -342,13 +345,19 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
     decode_step(min(4, top))                                     # warm-up
     times = [decode_step(int(b)) for b in batch_sizes]
     # What a user sees: the mean TPOT of b requests sent together through LLM.generate
-    # (scheduling, sampling, detokenizing included), next to the step time above.
+    # (scheduling, sampling, detokenizing included), each round right after a pure step
+    # of the same batch, so that both see the machine in the same phase: medians over rounds.
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    info["tpot_s"] = {}
-    for b in tpot_batches:
-        outs = llm.generate([[(13 * i + j) % 2000 + 10 for j in range(prompt_len)] for i in range(b)],
-                            [params] * b)
-        info["tpot_s"][int(b)] = statistics.mean(o.metrics.tpot for o in outs)
+    info["tpot_s"], info["tpot_over_step"] = {}, {}
+    for b in map(int, tpot_batches):
+        tpots, ratios = [], []
+        for _ in range(TPOT_ROUNDS):
+            step = decode_step(b)
+            outs = llm.generate([[(13 * i + j) % 2000 + 10 for j in range(prompt_len)] for i in range(b)],
+                                [params] * b)
+            tpots.append(statistics.mean(o.metrics.tpot for o in outs))
+            ratios.append(tpots[-1] / step)
+        info["tpot_s"][b], info["tpot_over_step"][b] = statistics.median(tpots), statistics.median(ratios)
     return times, info
 
 
