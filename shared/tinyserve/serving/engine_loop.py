@@ -88,7 +88,6 @@ class EngineLoop:
         # Sampling failures are isolated per request (see the module docstring).
         engine.isolate_sample_failures()
         # Counters and histograms for /metrics (written by the engine thread only).
-        self.num_steps = 0
         self.request_success_total = 0
         self.request_abort_total = 0
         self.request_failure_total = 0
@@ -97,8 +96,13 @@ class EngineLoop:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
-        # Per step: the mean batch is generated tokens / steps, whenever /metrics is read.
+        # Once per step: its count is the steps run, and /metrics' mean batch is generated
+        # tokens / steps.
         self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_tokens.count
 
     # -- lifecycle --
     def start(self) -> None:
@@ -170,7 +174,6 @@ class EngineLoop:
             except Exception as exc:            # keep serving: fail what this step ran
                 self._fail_step(exc)
                 continue
-            self.num_steps += 1
             self.step_tokens.observe(engine.last_step.num_scheduled_tokens)
             self._deliver(outputs, engine.take_sample_failures())
         self._fail_all(EngineError("server is shutting down"))
