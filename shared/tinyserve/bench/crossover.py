@@ -350,11 +350,11 @@ def sweep_engine(batch_sizes, model: str = "cpu-bench", steps: int = 3, prompt_l
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     info["tpot_s"], info["tpot_over_step"] = {}, {}
     for b in map(int, tpot_batches):
+        prompts = [[(13 * i + j) % 2000 + 10 for j in range(prompt_len)] for i in range(b)]
         tpots, ratios = [], []
         for _ in range(TPOT_ROUNDS):
             step = decode_step(b)
-            outs = llm.generate([[(13 * i + j) % 2000 + 10 for j in range(prompt_len)] for i in range(b)],
-                                [params] * b)
+            outs = llm.generate(prompts, [params] * b)
             tpots.append(statistics.mean(o.metrics.tpot for o in outs))
             ratios.append(tpots[-1] / step)
         info["tpot_s"][b], info["tpot_over_step"][b] = statistics.median(tpots), statistics.median(ratios)
