@@ -61,8 +61,12 @@ def test_each_term_adds_what_it_says():
     assert t(base, decode) == pytest.approx(weights)
     assert t(base.with_params(weight_efficiency=0.5), decode) == pytest.approx(2 * weights)
     assert t(base.with_params(gemm_efficiency=0.5), prefill) == pytest.approx(2 * t(base, prefill))
-    # Half the peak at gemm_half_tokens tokens in the step.
-    assert t(base.with_params(gemm_half_tokens=4096), prefill) == pytest.approx(2 * t(base, prefill))
+    # Below gemm_full_tokens, GEMMs reach (tokens / gemm_full_tokens) ** exponent of the peak:
+    # a quarter of the tokens at exponent 0.5 runs at half the efficiency.
+    slower = base.with_params(gemm_full_tokens=4 * prefill.tokens, gemm_tokens_exponent=0.5)
+    assert t(slower, prefill) == pytest.approx(2 * t(base, prefill))
+    assert t(base.with_params(gemm_full_tokens=prefill.tokens, gemm_tokens_exponent=0.5),
+             prefill) == pytest.approx(t(base, prefill))         # at or past it: the full efficiency
     # Interference 1: a mixed step costs memory + compute instead of the larger one.
     memory = hwm.step_bytes(model, "fp16", prefill.kv_tokens) / hw.memory_bandwidth
     assert t(base.with_params(interference=1.0), prefill) == pytest.approx(t(base, prefill) + memory)

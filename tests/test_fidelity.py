@@ -299,10 +299,12 @@ def test_the_live_fit_sees_the_calibration_shape_only(monkeypatch):
     assert {m["split"] for m in rows if "short-in-long-out" in m["id"]} == {"calibration"}
     assert {m["split"] for m in rows if "mixed" in m["id"]} == {"held-out"}
     fidelity.splits_by_source(rows)                     # one split per source
-    seen = []
-    monkeypatch.setattr(fidelity, "fit", lambda rows, **kw: seen.extend(rows) or VLLM_LIKE)
+    seen, asked = [], {}
+    monkeypatch.setattr(fidelity, "fit", lambda rows, **kw: seen.extend(rows) or asked.update(kw) or VLLM_LIKE)
     vllm_live.calibrated(rows)
     assert seen and {m["split"] for m in seen} == {"calibration"}
+    # A live sweep also fits how GEMM efficiency grows with the tokens in a step.
+    assert set(asked["fields"]) == set(fidelity.FITTED) | {"gemm_tokens_exponent"}
     with pytest.raises(ValueError, match="calibrate: 'chat' is not a shape of this sweep"):
         vllm_live.measurements(live_run(), calibrate="chat")
 

@@ -164,7 +164,7 @@ AUXILIARY: tuple[AuxiliaryCheck, ...] = (
     AuxiliaryCheck("A04", "05", "三项步长模型（a + b·n + c·m）比直线更贴近标定的步长"),
     AuxiliaryCheck("A05", "05", "空闲的引擎上排队时间不到 1 毫秒"),
     AuxiliaryCheck("A06", "07", "对照表里 tinyserve 这一栏的参数和指标都真实存在"),
-    AuxiliaryCheck("A07", "06", "只在一种长度形状上校准的模拟器，预测这台 CPU 上真 vLLM 其余形状的吞吐和 TPOT"),
+    AuxiliaryCheck("A07", "06", "只在一种长度形状上校准的模拟器，预测这台 CPU 上真 vLLM 其余形状的吞吐、TPOT 和 TTFT"),
 )
 
 BY_ID = {c.id: c for c in CHAPTER}
