@@ -27,7 +27,7 @@ CORE_ROWS = [
     ["request", "kv_cache", "metrics", "hardware", "workload", "diagnose_facts", "routing",
      "tokenizer", "chat_template", "kernels", "host"],            # import nothing of ours
     ["policies", "hf_tokenizer", "diagnose", "sampler", "native"],
-    ["bf16_gemm", "cpu_attention"],
+    ["bf16_gemm", "cpu_attention", "cpu_rmsnorm"],
     ["scheduler", "model"],
     ["core", "checkpoint", "compiled_step"],
     ["packed_gemm"],

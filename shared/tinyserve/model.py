@@ -30,6 +30,7 @@ The same module runs the Llama-like families, switched by a few config flags:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tinyserve import cpu_attention
+from tinyserve import cpu_attention, cpu_rmsnorm
 
 
 @dataclass(frozen=True)
@@ -218,15 +219,25 @@ def default_device() -> str:
 KERNEL_CHOICES = ("torch", "triton")
 
 
+def add_rmsnorm_on_cpu(chain, x, residual, weight, eps):
+    """The residual add and RMSNorm as one C pass where it takes the tensors (a CPU, the
+    kernel built: ``cpu_rmsnorm``), else ``chain``: eager torch's ops."""
+    if cpu_rmsnorm.supports(x, weight):
+        return cpu_rmsnorm.add_rmsnorm(x, residual, weight, eps)
+    return chain(x, residual, weight, eps)
+
+
 def kernel_ops(kernels: str) -> dict:
-    """The model's memory-bound ops, from eager torch or fused Triton kernels."""
+    """The model's memory-bound ops: eager torch ("torch"; on a CPU, our C kernels where
+    they are built: ``cpu_rmsnorm``, and ``cpu_attention`` in ``decode_attention``) or fused
+    Triton kernels ("triton")."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels: unknown choice {kernels!r}; choose one of {list(KERNEL_CHOICES)}")
     from tinyserve import kernels as K
 
     if kernels == "torch":
-        return {"add_rmsnorm": K.add_rmsnorm_unfused, "silu_mul": K.silu_mul_unfused,
-                "decode_attention": None}
+        return {"add_rmsnorm": functools.partial(add_rmsnorm_on_cpu, K.add_rmsnorm_unfused),
+                "silu_mul": K.silu_mul_unfused, "decode_attention": None}
     return {"add_rmsnorm": K.add_rmsnorm_triton, "silu_mul": K.silu_mul_triton,
             "decode_attention": K.paged_decode_attention_triton}
 

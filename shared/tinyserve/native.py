@@ -1,4 +1,5 @@
-"""Our C kernels for CPUs (``bf16_gemm.c``, ``cpu_attention.c``), compiled at first use.
+"""Our C kernels for CPUs (``bf16_gemm.c``, ``cpu_attention.c``, ``cpu_rmsnorm.c``), compiled
+at first use.
 
 Each C file is compiled with the system's C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) and kept in ``~/.cache/tinyserve/kernels``
