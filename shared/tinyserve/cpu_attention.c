@@ -25,6 +25,19 @@ static inline const float *head(const void *base, int bf16, long at, long D, flo
     return buf;
 }
 
+/* In a decode step the cache comes from memory: the weights streamed since have evicted it,
+ * and a request's blocks lie anywhere, where no hardware prefetcher follows. So each pass asks
+ * for its keys this many tokens ahead of their scores, and for each value as its key is
+ * read (the values are used after the softmax). AMD EPYC Zen 4, B=32, contexts of 170, a
+ * cold cache: 1.3-1.4x faster a layer in bf16, 1.05-1.1x in fp32; 16, 32 and 64 alike. */
+#define PREFETCH_AHEAD 16
+
+/* Ask for the D numbers from element `at` on (2 or 4 bytes each), one cache line at a time. */
+static inline void prefetch_head(const void *base, int bf16, long at, long D) {
+    const char *p = (const char *)base + at * (bf16 ? 2 : 4);
+    for (long byte = 0; byte < D * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(p + byte, 0, 3);
+}
+
 typedef int32_t i8 __attribute__((vector_size(32)));
 
 /* e^x in 8 lanes for x <= 0 (a softmax's shifted scores; glibc's expf, one lane per call, was
@@ -125,7 +138,13 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
             /* Scores 8 tokens at a time: each query row against 8 keys, the 8 dot products'
              * partial sums reduced across lanes together. */
             long t = 0, D8 = D & ~7L;
+            for (long j = 0; j < PREFETCH_AHEAD && j < ctx; j++) prefetch_head(k_cache, bf16, at[j], D);
             for (; t + 8 <= ctx; t += 8) {
+                for (int j = 0; j < 8; j++) {
+                    if (t + PREFETCH_AHEAD + j < ctx)
+                        prefetch_head(k_cache, bf16, at[t + PREFETCH_AHEAD + j], D);
+                    prefetch_head(v_cache, bf16, at[t + j], D);
+                }
                 const float *keys[8];
                 for (int j = 0; j < 8; j++)
                     keys[j] = head(k_cache, bf16, at[t + j], D, kbuf + j * D);
@@ -145,6 +164,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 }
             }
             for (; t < ctx; t++) {
+                prefetch_head(v_cache, bf16, at[t], D);
                 const float *key = head(k_cache, bf16, at[t], D, row);
                 for (long g = 0; g < G; g++) scores[g * ctx + t] = dot(qs + g * D, key, D) * scale;
             }
