@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tinyserve import cpu_attention
-from tinyserve.model import decode_attention, gather_kv
+from tinyserve.model import apply_rotary_qk, decode_attention, gather_kv, rotary_cos_sin, write_kv
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler builds the kernel here")
 
@@ -118,3 +118,66 @@ def test_turned_off_or_unbuilt_the_model_keeps_torchs_path(monkeypatch, tmp_path
         assert not list(tmp_path.glob("kernels/cpu_attention-*.so"))
     finally:
         cpu_attention.library.cache_clear()         # later tests load the real build again
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 40), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 7]),
+       head_dim=st.sampled_from([2, 12, 16, 64, 80, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_rotate_and_store_is_the_rotary_embedding_then_the_cache_write(tokens, kv_heads, group, head_dim,
+                                                                       dtype, seed):
+    # q, k, v as the model has them (slices of one GEMM's output), any positions, head sizes
+    # whose halves are 8 lanes at a time, not, or a mix; enough tokens to split across threads.
+    g = torch.Generator().manual_seed(seed)
+    hq, block_size, blocks = kv_heads * group, 4, 16
+    qkv = torch.randn(tokens, (hq + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in
+               qkv.split([hq * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1))
+    positions = torch.randint(0, 5000, (tokens,), generator=g)
+    cos, sin = rotary_cos_sin(positions, head_dim, 1e6, dtype)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    caches = [torch.randn(blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(4)]
+    k_cache, v_cache, k_want, v_want = caches[0], caches[1], caches[0].clone(), caches[1].clone()
+    got_q = cpu_attention.rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, slots)
+    want_q, want_k = apply_rotary_qk(q, k, cos, sin)
+    write_kv(k_want, v_want, slots, want_k, v)
+    assert got_q.shape == q.shape and got_q.dtype == dtype
+    assert torch.equal(v_cache, v_want)          # every other slot untouched, v copied as it is
+    # each product and the sum rounded as torch does: bit for bit, fp32 and bf16
+    assert torch.equal(got_q, want_q) and torch.equal(k_cache, k_want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 32])), r"slots 0\.\.31"),
+    (lambda a: a.update(slot_mapping=torch.tensor([-1, 0])), r"slots 0\.\.31"),
+    (lambda a: a.update(k=torch.ones(2, 2, 7)), r"k and v \[T, Hkv, D\]"),
+    (lambda a: a.update(cos=torch.ones(2, 6)), r"cos and sin \[2, 8\]"),
+    (lambda a: a.update(v=torch.ones(2, 2, 8).bfloat16()), "every tensor must be torch.float32"),
+    (lambda a: a.update(k_cache=torch.ones(8, 2, 4, 8).transpose(1, 2)), "contiguous"),
+])
+def test_rotate_and_store_refuses_bad_inputs_with_a_value_error(change, message):
+    args = dict(q=torch.ones(2, 4, 8), k=torch.ones(2, 2, 8), v=torch.ones(2, 2, 8), cos=torch.ones(2, 8),
+                sin=torch.ones(2, 8), k_cache=torch.ones(8, 4, 2, 8), v_cache=torch.ones(8, 4, 2, 8),
+                slot_mapping=torch.tensor([0, 5]))
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.rotate_and_store(**args)
+
+
+@needs_kernel
+def test_the_model_rotates_and_stores_each_layers_new_tokens_in_one_pass_on_a_cpu(monkeypatch):
+    # A 5-token prompt then two decode steps: one call per layer and step; the greedy tokens
+    # are those of torch's path (rotary embedding, cache write and attention as torch ops).
+    from tinyserve import LLM, SamplingParams
+    llm = LLM("tiny", seed=0)
+    layers = llm.engine.executor.model.config.num_hidden_layers
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    calls, real = [], cpu_attention.rotate_and_store
+    monkeypatch.setattr(cpu_attention, "rotate_and_store", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    fused = llm.generate([[3, 1, 4, 1, 5]], params)[0].token_ids
+    assert calls == [5] * layers + [1] * layers * 2
+    monkeypatch.setattr(cpu_attention, "rotate_and_store", lambda *a: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    assert llm.generate([[3, 1, 4, 1, 5]], params)[0].token_ids == fused

@@ -217,3 +217,67 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
         }
     return failed ? -1 : 0;
 }
+
+
+/* torch rounds each product before the sum; GCC would fuse a product into the sum (one
+ * rounding fewer, results a bit off torch's): not in these two functions. Clang fuses only
+ * within one expression, never across the statements below. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define PRODUCTS_ROUNDED __attribute__((optimize("fp-contract=off")))
+#else
+#define PRODUCTS_ROUNDED
+#endif
+
+/* y = x * cos + rotate_half(x) * sin for one head's D numbers (rotate_half(x) = [-x2, x1],
+ * the "rotate half" layout of Llama checkpoints in HF format): torch's three products and
+ * sum, each rounded where torch holds a bf16 tensor. x, y at elements xo, yo; cos, sin at co. */
+static inline PRODUCTS_ROUNDED void rotate_head(const void *x, long xo, const void *cos, const void *sin, long co,
+                               void *y, long yo, int bf16, long D) {
+    long half = D / 2, i = 0;
+    for (; i + 8 <= half; i += 8) {
+        f8 x1 = load8(x, bf16, xo + i), x2 = load8(x, bf16, xo + half + i);
+        f8 a1 = x1 * load8(cos, bf16, co + i), b1 = -x2 * load8(sin, bf16, co + i);
+        f8 a2 = x2 * load8(cos, bf16, co + half + i), b2 = x1 * load8(sin, bf16, co + half + i);
+        if (bf16) {
+            a1 = bf16_round8(a1), b1 = bf16_round8(b1), a2 = bf16_round8(a2), b2 = bf16_round8(b2);
+            store8(y, bf16, yo + i, bf16_round8(a1 + b1));
+            store8(y, bf16, yo + half + i, bf16_round8(a2 + b2));
+        } else {
+            store8(y, bf16, yo + i, a1 + b1);
+            store8(y, bf16, yo + half + i, a2 + b2);
+        }
+    }
+    for (; i < half; i++) {
+        float x1 = load1(x, bf16, xo + i), x2 = load1(x, bf16, xo + half + i);
+        float a1 = x1 * load1(cos, bf16, co + i), b1 = -x2 * load1(sin, bf16, co + i);
+        float a2 = x2 * load1(cos, bf16, co + half + i), b2 = x1 * load1(sin, bf16, co + half + i);
+        if (bf16) a1 = bf16_round1(a1), b1 = bf16_round1(b1), a2 = bf16_round1(a2), b2 = bf16_round1(b2);
+        store1(y, bf16, yo + i, a1 + b1);
+        store1(y, bf16, yo + half + i, a2 + b2);
+    }
+}
+
+/* The new tokens' q [T, Hq, D], k and v [T, Hkv, D] (a token's heads contiguous, tokens q_ld,
+ * k_ld, v_ld elements apart: slices of one GEMM's output); cos, sin [T, D]. q is rotated into
+ * q_out [T, Hq, D]; k rotated and v as it is go to cache slot slots[t] of k_cache, v_cache
+ * [num_slots, Hkv, D]. All fp32 or all bf16 (bf16 = 1); D even. Returns 0; -2 a slot
+ * outside the cache. */
+PRODUCTS_ROUNDED int rotate_and_store(const void *q, const void *k, const void *v, long q_ld, long k_ld, long v_ld,
+                     const void *cos, const void *sin, void *q_out, void *k_cache, void *v_cache,
+                     const int64_t *slots, int bf16, long T, long Hq, long Hkv, long D,
+                     long num_slots) {
+    for (long t = 0; t < T; t++)        /* checked first: nothing is written out of bounds */
+        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+    long size = bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static) if (T * (Hq + 2 * Hkv) * D >= PARALLEL_FROM)
+    for (long t = 0; t < T; t++) {
+        for (long h = 0; h < Hq; h++)
+            rotate_head(q, t * q_ld + h * D, cos, sin, t * D, q_out, (t * Hq + h) * D, bf16, D);
+        for (long h = 0; h < Hkv; h++) {
+            long c = (slots[t] * Hkv + h) * D;
+            rotate_head(k, t * k_ld + h * D, cos, sin, t * D, k_cache, c, bf16, D);
+            memcpy((char *)v_cache + c * size, (const char *)v + (t * v_ld + h * D) * size, D * size);
+        }
+    }
+    return 0;
+}

@@ -352,23 +352,27 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         if meta.padded:
             # One opaque op for the cache write and the attention: a compiled graph
             # keeps fixed shapes while the contexts grow every step (compiled_step.py).
+            q, k = apply_rotary_qk(q, k, cos, sin)
             out = torch.ops.tinyserve.padded_decode_attention(
                 q, k, v, kv_cache.k, kv_cache.v, self.layer_idx, meta.slot_mapping,
                 meta.block_tables, meta.decode_context_lens, ops["decode_attention"] is not None)
         else:
-            out = self.attend(q, k, v, meta, kv_cache, ops)
+            if cpu_attention.supports(q, k_cache):      # on a CPU: both in one C pass
+                q = cpu_attention.rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+            else:
+                q, k = apply_rotary_qk(q, k, cos, sin)
+                write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+            out = self.attend(q, meta, k_cache, v_cache, ops)
         out = out.reshape(t, -1)
         return self.o_proj(out) if packed is None else packed.o_proj(out)
 
-    def attend(self, q, k, v, meta: AttentionMetadata, kv_cache: KVCache, ops: dict):
-        """Write the new tokens' K and V to their cache slots, then attend: decodes in one
+    def attend(self, q, meta: AttentionMetadata, k_cache, v_cache, ops: dict):
+        """Attend, the new tokens' K and V already in this layer's cache: decodes in one
         batched call, each prefill chunk causally over its own cached context."""
-        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
-        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
