@@ -2,8 +2,8 @@
 (``cpu_rmsnorm.c``): the chapter's kernel fusion where Triton does not run.
 
 Eager torch runs it as a chain of 7 ops (``kernels.add_rmsnorm_unfused``). In a decode
-step the tensors are a few rows, so each op costs its call, not its bytes: 19 µs for
-the chain at one bf16 row of Qwen2.5-0.5B's 896, 5 µs for this kernel with its call,
+step the tensors are a few rows, so each op costs its call, not its bytes: 19.4 µs for
+the chain at one bf16 row of Qwen2.5-0.5B's 896, 6.0 µs for this kernel with its call,
 on an AMD EPYC Zen 4 (2 cores, 32 MiB L3); a step runs it twice per layer.
 ``model.kernel_ops("torch")`` uses it on a CPU, the chain elsewhere.
 
