@@ -28,8 +28,8 @@ def test_the_kernel_gives_torchs_chain_but_for_the_order_of_one_sum(rows, n, dty
     want_out, want_h = K.add_rmsnorm_unfused(x, residual, weight, eps)
     assert out.dtype == h.dtype == dtype and out.shape == h.shape == x.shape
     assert torch.equal(h, want_h)                    # the add: one rounding, the same one
-    if dtype == torch.float32:                       # a few ulps, from the sum's order
-        torch.testing.assert_close(out, want_out, rtol=4e-7, atol=1e-30)
+    if dtype == torch.float32:   # a few ulps, from the sum's order: 4.5e-7 seen, 896 wide
+        torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-30)
     else:       # at most one bf16 step, and rarely: only where the sum's order moved rstd
         torch.testing.assert_close(out.float(), want_out.float(), rtol=2 ** -7, atol=1e-30)
         if out.numel() >= 100:
