@@ -195,8 +195,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                         long e = at[t] + d0;
                         f8 pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
                         for (int c = 0; c < 8; c++)
-                            a[c] += pt * (bf16 ? load_bf16((const uint16_t *)v_cache + e + 8 * c)
-                                               : load_f32((const float *)v_cache + e + 8 * c));
+                            a[c] += pt * load8(v_cache, bf16, e + 8 * c);
                     }
                     memcpy(out_g + d0, a, sizeof a);
                 }
