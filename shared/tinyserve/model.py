@@ -396,9 +396,13 @@ class Attention(nn.Module):
         values = v_cache[table].reshape(-1, h_kv, d)[:ctx]
         query_pos = torch.arange(ctx - n, ctx, device=q.device)
         causal = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
-        o = attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                      attn_mask=causal, enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(0, 1)
+        # With a batch dimension of one: on a CPU, torch takes 3-D inputs down its math path
+        # and 4-D ones to its flash kernel, 1.3-2.7x faster here (14 query heads over 2,
+        # chunks of 32-480 tokens, fp32 and bf16; AMD EPYC Zen 4).
+        o = attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                      values.transpose(0, 1)[None], attn_mask=causal,
+                      enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)
 
 
 # cuDNN's attention builds an execution plan for every new shape, and a decode step's
