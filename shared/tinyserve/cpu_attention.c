@@ -118,15 +118,16 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
         for (long h = 0; h < Hkv; h++) {
             long ctx = lens[b];
             /* where each token's head vector starts; the G query rows, their scores over the
-             * context, their sums; one widened row, 8 widened keys */
-            long *at = malloc(sizeof(long) * ctx + sizeof(float) * (2 * G * D + G * ctx + 9 * D));
+             * context, their sums; one widened row, 8 widened keys; in bf16, the widened values */
+            long *at = malloc(sizeof(long) * ctx +
+                              sizeof(float) * (2 * G * D + G * ctx + 9 * D + (bf16 ? ctx * D : 0)));
             if (!at) {
                 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
             float *qs = (float *)(at + ctx), *scores = qs + G * D, *acc = scores + G * ctx;
-            float *row = acc + G * D, *kbuf = row + D;
+            float *row = acc + G * D, *kbuf = row + D, *vbuf = kbuf + 8 * D;
             /* at[t]: token t's element offset in either cache, walked block by block once
              * rather than divided out of t for every use. */
             for (long i = 0, t = 0; t < ctx; i++)
@@ -156,11 +157,10 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                         for (int j = 0; j < 8; j++) a[j] += qv * load_f32(keys[j] + d);
                     }
                     f8 sc = sums8(a);
-                    for (int j = 0; j < 8; j++) {
-                        float x = sc[j];
-                        for (long d = D8; d < D; d++) x += qg[d] * keys[j][d];
-                        scores[g * ctx + t + j] = x * scale;
-                    }
+                    for (long d = D8; d < D; d++)
+                        for (int j = 0; j < 8; j++) sc[j] += qg[d] * keys[j][d];
+                    sc *= scale;
+                    memcpy(scores + g * ctx + t, &sc, sizeof sc);
                 }
             }
             for (; t < ctx; t++) {
@@ -170,9 +170,17 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
             }
             for (long g = 0; g < G; g++) {
                 float *s = scores + g * ctx, top = -INFINITY, sum = 0;
-                for (long t = 0; t < ctx; t++) top = s[t] > top ? s[t] : top;
                 f8 top8 = {top, top, top, top, top, top, top, top}, sum8v = {0};
                 long t = 0;
+                for (; t + 8 <= ctx; t += 8) {      /* 8 running maxima: no chain of compares */
+                    f8 x = load_f32(s + t);
+                    i8 above = x > top8;
+                    top8 = (f8)(((i8)x & above) | ((i8)top8 & ~above));
+                }
+                for (int j = 0; j < 8; j++) top = top8[j] > top ? top8[j] : top;
+                for (; t < ctx; t++) top = s[t] > top ? s[t] : top;
+                top8 = (f8){top, top, top, top, top, top, top, top};
+                t = 0;
                 for (; t + 8 <= ctx; t += 8) {
                     f8 e = exp8(load_f32(s + t) - top8);
                     memcpy(s + t, &e, sizeof e);
@@ -183,7 +191,16 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 for (long t = 0; t < ctx; t++) s[t] /= sum;
             }
             /* Values: per query row, up to 64 of its sums held in registers (8 vectors) while
-             * the row's weights run over the context; the rest of a row's D by lanes. */
+             * the row's weights run over the context; the rest of a row's D by lanes. All G
+             * rows read every value: bf16 ones are widened once, into vbuf, not G times. */
+            const float *values = v_cache;
+            if (bf16) {
+                for (long t = 0; t < ctx; t++) {
+                    head(v_cache, 1, at[t], D, vbuf + t * D);
+                    at[t] = t * D;      /* the keys are done with: at now walks vbuf */
+                }
+                values = vbuf;
+            }
             memset(acc, 0, sizeof(float) * G * D);
             for (long g = 0; g < G; g++) {
                 const float *p = scores + g * ctx;
@@ -192,18 +209,16 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 for (; d0 + 64 <= D; d0 += 64) {
                     f8 a[8] = {{0}};
                     for (long t = 0; t < ctx; t++) {
-                        long e = at[t] + d0;
+                        const float *e = values + at[t] + d0;
                         f8 pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
                         for (int c = 0; c < 8; c++)
-                            a[c] += pt * load8(v_cache, bf16, e + 8 * c);
+                            a[c] += pt * load_f32(e + 8 * c);
                     }
                     memcpy(out_g + d0, a, sizeof a);
                 }
                 if (d0 < D)
-                    for (long t = 0; t < ctx; t++) {
-                        const float *value = head(v_cache, bf16, at[t] + d0, D - d0, row);
-                        axpy(p[t], value, out_g + d0, D - d0);
-                    }
+                    for (long t = 0; t < ctx; t++)
+                        axpy(p[t], values + at[t] + d0, out_g + d0, D - d0);
             }
             for (long g = 0; g < G; g++) {
                 long o = (b * Hq + h * G + g) * D;
