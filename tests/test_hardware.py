@@ -278,3 +278,15 @@ def test_free_cores_counts_only_other_programs(monkeypatch, busy, own, others):
 def test_free_cores_falls_back_to_all_cores_without_proc(monkeypatch):
     monkeypatch.setattr(host.os.path, "exists", lambda path: False)
     assert host.free_cores() == host.usable_cores()
+
+
+def test_interleaved_times_rotates_the_order_and_times_every_call():
+    calls, synced = [], []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = host.interleaved_times(fns, rounds=4, sync=lambda: synced.append(calls[-1]))
+    assert calls == list("abc" "bca" "cab" "abc")        # each round starts one later
+    assert synced == calls                              # sync right after every call, inside its time
+    assert {name: len(ts) for name, ts in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for ts in times.values() for t in ts)
+    with pytest.raises(ValueError, match="rounds: need at least 1, got 0"):
+        host.interleaved_times(fns, rounds=0)

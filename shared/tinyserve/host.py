@@ -152,6 +152,26 @@ def paired_ratio(a: Callable[[], object], b: Callable[[], object], pairs: int = 
                        statistics.median(ta), statistics.median(tb))
 
 
+def interleaved_times(fns: dict[str, Callable[[], object]], rounds: int,
+                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds of every call: ``rounds`` rounds of one call of each function, the order
+    rotating from round to round. A slow moment of the machine, or a drift of its memory
+    speed, falls on all of them alike, and none is always first or last."""
+    if rounds < 1:
+        raise ValueError(f"rounds: need at least 1, got {rounds}")
+    sync = sync or (lambda: None)
+    names = list(fns)
+    times = {name: [] for name in names}
+    for i in range(rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            fns[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 @contextlib.contextmanager
 def fixed_threads(n: int | None = None):
     """Run the block with torch on ``n`` threads (default: the cores free right now), then restore."""

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from tinyserve import kernels as K
+from tinyserve.host import interleaved_times
 
 GiB = 1 << 30
 HIDDEN = 4096          # Llama-2-7B's hidden size
@@ -111,17 +112,12 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def interleaved_medians(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, timed in turn round after round, so a
-    burst of load from another process slows all of them rather than one."""
+    """Median seconds of each function, timed in turn round after round
+    (``host.interleaved_times``), so a burst of load from another process slows all
+    of them rather than one."""
     for fn in fns.values():
         fn()                                  # warm-up
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in interleaved_times(fns, repeats).items()}
 
 
 def _eager_into(x, residual, weight, eps, buf):
