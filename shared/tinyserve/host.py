@@ -81,22 +81,36 @@ def l3_cache_bytes() -> int | None:
         return None
 
 
+def interleaved_times(fns: dict[str, Callable[[], object]], rounds: int,
+                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds of every call: ``rounds`` rounds of one call of each function, the order
+    rotating from round to round. A slow moment of the machine, or a drift of its memory
+    speed, falls on all of them alike, and none is always first or last."""
+    if rounds < 1:
+        raise ValueError(f"rounds: need at least 1, got {rounds}")
+    sync = sync or (lambda: None)
+    names = list(fns)
+    times = {name: [] for name in names}
+    for i in range(rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            fns[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
                 sync: Callable[[], None] | None = None) -> float:
     """Median wall seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` calls."""
     if repeats < 1:
         raise ValueError(f"repeats: need at least 1, got {repeats}")
-    sync = sync or (lambda: None)
     for _ in range(warmup):
         fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
+    if sync:
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(interleaved_times({"fn": fn}, repeats, sync)["fn"])
 
 
 @dataclass(frozen=True)
@@ -129,47 +143,16 @@ def paired_ratio(a: Callable[[], object], b: Callable[[], object], pairs: int = 
     """
     if pairs < 1:
         raise ValueError(f"pairs: need at least 1, got {pairs}")
-    sync = sync or (lambda: None)
     for _ in range(warmup):
         a(), b()
-    sync()
-
-    def timed(fn):
-        start = time.perf_counter()
-        fn()
+    if sync:
         sync()
-        return time.perf_counter() - start
-
-    ta, tb = [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            ta.append(timed(a)), tb.append(timed(b))
-        else:
-            tb.append(timed(b)), ta.append(timed(a))
+    times = interleaved_times({"a": a, "b": b}, pairs, sync)     # a b, b a, a b, ...
+    ta, tb = times["a"], times["b"]
     ratios = sorted(x / y for x, y in zip(ta, tb))
     k = 1 if len(ratios) >= 5 else 0
     return PairedRatio(statistics.median(ratios), ratios[k], ratios[-1 - k], tuple(ratios),
                        statistics.median(ta), statistics.median(tb))
-
-
-def interleaved_times(fns: dict[str, Callable[[], object]], rounds: int,
-                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
-    """Seconds of every call: ``rounds`` rounds of one call of each function, the order
-    rotating from round to round. A slow moment of the machine, or a drift of its memory
-    speed, falls on all of them alike, and none is always first or last."""
-    if rounds < 1:
-        raise ValueError(f"rounds: need at least 1, got {rounds}")
-    sync = sync or (lambda: None)
-    names = list(fns)
-    times = {name: [] for name in names}
-    for i in range(rounds):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            start = time.perf_counter()
-            fns[name]()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 @contextlib.contextmanager

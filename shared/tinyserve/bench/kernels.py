@@ -28,7 +28,6 @@ import math
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -98,18 +97,6 @@ def print_table(title: str, copy_gbps: float, rows: list[dict]) -> None:
 
 
 # ---- CPU: eager vs torch.compile ---------------------------------------------------------
-
-def median_time(fn, repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def interleaved_medians(fns: dict, repeats: int) -> dict:
     """Median seconds of each function, timed in turn round after round
