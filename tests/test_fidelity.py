@@ -378,7 +378,7 @@ def test_a_poisson_miss_near_capacity_names_the_simulators_capacity():
                                "load / (1 - load), 9.0 -> unbounded")
     assert vllm_live.capacity_at_fault(rows, point, {}) is None                     # no prediction there
     # Through at_fault: a Poisson line that misses, and its capacity point's prediction.
-    line = {"id": point["id"], "load": "poisson", "metric": "median_ttft", "predicted": 1.0, "judged": True,
+    line = {"id": point["id"], "load": "poisson", "metric": "median_ttft", "predicted": 1.0, "error": -0.5, "judged": True,
             "within_goal": False, "vllm_preemptions": 0.0, "sim_preemptions": 0.0, "vllm_batch": 8.0,
             "sim_batch": 8.0}
     capacity_line = {"id": top["id"], "load": "c8", "metric": "request_throughput",
@@ -390,3 +390,33 @@ def test_a_poisson_miss_near_capacity_names_the_simulators_capacity():
     fixed.pop("at_fault")
     vllm_live.at_fault(rows, VLLM_LIKE, [fixed, capacity_line], search=False)
     assert "at_fault" not in fixed
+
+
+def test_a_miss_where_the_machine_slowed_down_names_the_machine():
+    from tinyserve.bench import vllm_live
+
+    rows = vllm_live.measurements(live_run())
+    for m in rows:      # the one-sequence decode step timed before each point: 60 ms, 69 ms before one
+        m["probe_tpot"] = 0.060
+    point = next(m for m in rows if m["id"] == "live-short-in-long-out-c8")
+    point["probe_tpot"] = 0.069                     # 15% slower than the calibration's median
+    said = lambda metric, error: vllm_live.machine_at_fault(rows, point, metric, error)
+    words = ("machine: vLLM's one-sequence decode step, timed before this point, took 69.0 ms against 60.0 ms "
+             "before the calibration points (+15%): this machine's speed moved between them, which no cost term models")
+    # A slower machine: times measured longer (predicted short), throughput lower (predicted high).
+    assert said("median_tpot", -0.2) == words and said("output_throughput", 0.25) == words
+    assert said("median_tpot", 0.2) is None and said("output_throughput", -0.2) is None   # the other way
+    assert said("median_ttft", -0.4) is None                   # 15% explains under half of a 40% miss
+    point["probe_tpot"] = None
+    assert said("median_tpot", -0.2) is None                   # a sweep without probes
+    # Through at_fault, before the cost terms' search; vLLM's own counters still come first.
+    point["probe_tpot"] = 0.069
+    line = {"id": point["id"], "load": "c8", "metric": "median_tpot", "predicted": 0.1, "error": -0.2,
+            "judged": True, "within_goal": False, "vllm_preemptions": 0.0, "sim_preemptions": 0.0,
+            "vllm_batch": 8.0, "sim_batch": 8.0}
+    vllm_live.at_fault(rows, VLLM_LIKE, [line], search=False)
+    assert line["at_fault"] == words
+    line = line | {"vllm_batch": 4.0}
+    line.pop("at_fault")
+    vllm_live.at_fault(rows, VLLM_LIKE, [line], search=False)
+    assert line["at_fault"].startswith("batch: vLLM ran 4.0 sequences per step")

@@ -6,8 +6,12 @@ own client from 1 to 256 concurrent requests over three length shapes; then the
     python -m tinyserve.bench sim --live-from run.json     # refit a saved sweep, no vLLM
 
 Each point is one ``bench serve`` run at ``--max-concurrency`` c (2c requests, at least
-16, all queued at t=0), and for each shape one run of Poisson arrivals at 90% of the
-capacity its highest concurrency measured; vLLM's own ``/metrics`` are read before and
+16, all queued at t=0), the shapes in turn at each concurrency (so that the points the
+fit sees and those it predicts run minutes apart, not half an hour), and for each shape
+one run of Poisson arrivals at 90% of the capacity its highest concurrency measured.
+Before each point one request alone times vLLM's one-sequence decode step (``probe``):
+a VM's memory speed drifts, and where it moved between the calibration and a missed
+point, the machine, not a cost term, is named at fault. vLLM's own ``/metrics`` are read before and
 after: its mean running batch (generated tokens / engine steps) and its preemptions sit
 beside what the simulator says of the same requests, replayed with the same arrival
 times and lengths. A held-out point that misses names the term at fault. The machine
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 import zlib
 from dataclasses import asdict
@@ -53,6 +58,7 @@ STORED = "data/vllm_live_cpu.json"      # the sweep shipped with the package (it
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 NEAR_CAPACITY = 0.9             # the Poisson point's rate, as a share of the measured capacity
 POISSON_REQUESTS = 128
+PROBE_TOKENS = 32               # the probe: one request of 16 prompt tokens and this many new ones
 # The cost model's terms, as ``at_fault`` names them, and the parameters behind each.
 TERMS = {"front end": ("frontend_time", "frontend_latency"), "per-step overhead": ("step_overhead",),
          "per-sequence overhead": ("seq_overhead",), "weight read": ("weight_efficiency",),
@@ -95,12 +101,23 @@ def run_point(url: str, shape: str, concurrency: int | None = None, rate: float 
             "vllm": {k: window.get(k) for k in ("mean_batch_size", "num_preemptions", "prefix_cache_hit_rate")}}
 
 
+def probe(url: str, seed: int) -> float:
+    """vLLM's one-sequence decode step now, in seconds: the TPOT of one request alone (16
+    prompt tokens, ``PROBE_TOKENS`` new), a read of every weight per token; on a VM whose
+    memory speed drifts it moves with it. Timed before a point, outside its window."""
+    from tinyserve.serving.client import benchmark
+
+    w = {"input_lens": [16], "output_lens": [PROBE_TOKENS], "max_concurrency": 1}
+    return benchmark(url, fidelity.workload({"workload": w}), max_concurrency=1, progress=False,
+                     seed=seed)["median_tpot"]
+
+
 def print_point(p: dict) -> None:
     m = p["measured"]
     print(f"  {p['shape']:18s} {p['load']:7s} {m['output_throughput']:8.1f} tok/s  TTFT p50 "
           f"{m['median_ttft']:.3f} s  TPOT p50 {m['median_tpot'] * 1e3:.1f} ms  vLLM batch "
-          f"{p['vllm']['mean_batch_size'] or 0:.1f}, prefix hits {p['vllm']['prefix_cache_hit_rate'] or 0:.0%}",
-          flush=True)
+          f"{p['vllm']['mean_batch_size'] or 0:.1f}, prefix hits {p['vllm']['prefix_cache_hit_rate'] or 0:.0%}"
+          + (f", probe {p['probe_tpot'] * 1e3:.1f} ms" if p.get("probe_tpot") else ""), flush=True)
 
 
 def engine_of(url: str, resolved: dict) -> dict:
@@ -144,16 +161,19 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
         start_up = time.perf_counter() - started
         run_point(server.url, shapes[0], 4, label="warm-up ")
         points = []
-        for shape in shapes:
-            for c in concurrencies:
-                points.append(run_point(server.url, shape, c))
-                if verbose:
-                    print_point(points[-1])
-            if poisson:
-                capacity = points[-1]["measured"]["request_throughput"]
-                points.append(run_point(server.url, shape, rate=NEAR_CAPACITY * capacity))
-                if verbose:
-                    print_point(points[-1])
+
+        def measure(shape, c=None, rate=None):
+            timed = probe(server.url, seed=len(points))
+            points.append(run_point(server.url, shape, c, rate) | {"probe_tpot": timed})
+            if verbose:
+                print_point(points[-1])
+        for c in concurrencies:
+            for shape in shapes:
+                measure(shape, c)
+        if poisson:
+            for shape in shapes:
+                top = [p for p in points if p["shape"] == shape][-1]
+                measure(shape, rate=NEAR_CAPACITY * top["measured"]["request_throughput"])
         engine = engine_of(server.url, resolved)
     return {"model": model_shape, "dtype": dtype, "vllm": vllm_setup.VLLM_VERSION, "date": time.strftime("%Y-%m-%d"),
             "machine": this_machine().as_dict(), "load_average": load_average,
@@ -172,7 +192,8 @@ def measurements(run: dict, calibrate: str = "mixed") -> list[dict]:
              "split": "calibration" if p["shape"] == calibrate else "held-out",
              "hardware": run["hardware"], "model": asdict(spec), "dtype": DTYPES[run["dtype"]],
              "client": "http", "engine": run["engine"], "workload": p["workload"],
-             "measured": p["measured"], "vllm": p["vllm"]} for p in run["points"]]
+             "measured": p["measured"], "vllm": p["vllm"], "probe_tpot": p.get("probe_tpot")}
+            for p in run["points"]]
 
 
 def calibrated(rows: Sequence[dict], iterations: int = FIT_ITERATIONS, verbose: bool = False):
@@ -232,13 +253,33 @@ def capacity_at_fault(rows: Sequence[dict], point: dict, predicted: dict) -> str
             f"{shown(before)} -> {shown(after)}")
 
 
+def machine_at_fault(rows: Sequence[dict], point: dict, metric: str, error: float) -> str | None:
+    """The words naming the machine as at fault on ``point``'s ``metric``, or None: where
+    vLLM's one-sequence decode step (``probe``) was slower or faster before this point
+    than before the calibration points (their median), in the direction of the miss and
+    by at least half of it. A slower machine makes the measured times longer (the
+    prediction short: a negative error) and the throughput lower (a positive one)."""
+    base = [m["probe_tpot"] for m in rows if m["split"] == "calibration" and m.get("probe_tpot")]
+    here = point.get("probe_tpot")
+    if not base or not here:
+        return None
+    drift = here / statistics.median(base) - 1
+    expected = drift if metric.endswith("throughput") else -drift
+    if expected * error <= 0 or abs(expected) < abs(error) / 2:
+        return None
+    return (f"machine: vLLM's one-sequence decode step, timed before this point, took {here * 1e3:.1f} ms "
+            f"against {statistics.median(base) * 1e3:.1f} ms before the calibration points ({drift:+.0%}): "
+            f"this machine's speed moved between them, which no cost term models")
+
+
 def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = True) -> None:
     """Name the term at fault on each judged line that misses (its ``"at_fault"``).
 
     vLLM's own counters first: preemptions, or at a fixed concurrency a batch, that the
     simulator did not reproduce on the same requests are its scheduler replay, not a
-    cost. Under Poisson arrivals near capacity, next, the simulator's capacity
-    (``capacity_at_fault``). Else the measurement that shows the term is the missed
+    cost. Then the machine: its speed, timed before each point, moved since the
+    calibration points by as much as the miss (``machine_at_fault``). Under Poisson
+    arrivals near capacity, next, the simulator's capacity (``capacity_at_fault``). Else the measurement that shows the term is the missed
     shape's whole curve: each cost term in turn is scaled alone (``SCALES``) over that
     shape's points at a fixed concurrency, and the one that brings the shape's worst
     miss on that metric lowest is named, with the factor (or none, if no term alone
@@ -256,6 +297,8 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = 
             # arrivals it also follows the step time (slower steps gather more arrivals).
             line["at_fault"] = (f"batch: vLLM ran {line['vllm_batch']:.1f} sequences per step, "
                                 f"the simulator {line['sim_batch']:.1f}")
+        elif said := machine_at_fault(rows, by_id[line["id"]], line["metric"], line["error"]):
+            line["at_fault"] = said
         elif line["load"] == "poisson" and (said := capacity_at_fault(rows, by_id[line["id"]], predicted)):
             line["at_fault"] = said
     if not search:
