@@ -11,8 +11,8 @@ fit sees and those it predicts run minutes apart, not half an hour), and for eac
 one run of Poisson arrivals at 90% of the capacity its highest concurrency measured.
 Before each point one request alone times vLLM's one-sequence decode step (``probe``):
 a VM's memory speed drifts, and where it moved between the calibration and a missed
-point, the machine, not a cost term, is named at fault. vLLM's own ``/metrics`` are read before and
-after: its mean running batch (generated tokens / engine steps) and its preemptions sit
+point, the machine, not a cost term, is named at fault. vLLM's own ``/metrics`` are
+read before and after: its mean running batch (generated tokens / engine steps) and its preemptions sit
 beside what the simulator says of the same requests, replayed with the same arrival
 times and lengths. A held-out point that misses names the term at fault. The machine
 goes to the simulator as measured (``measure_device``: read bandwidth and matmul peak),
@@ -259,16 +259,17 @@ def machine_at_fault(rows: Sequence[dict], point: dict, metric: str, error: floa
     than before the calibration points (their median), in the direction of the miss and
     by at least half of it. A slower machine makes the measured times longer (the
     prediction short: a negative error) and the throughput lower (a positive one)."""
-    base = [m["probe_tpot"] for m in rows if m["split"] == "calibration" and m.get("probe_tpot")]
+    probes = [m["probe_tpot"] for m in rows if m["split"] == "calibration" and m.get("probe_tpot")]
     here = point.get("probe_tpot")
-    if not base or not here:
+    if not probes or not here:
         return None
-    drift = here / statistics.median(base) - 1
+    base = statistics.median(probes)
+    drift = here / base - 1
     expected = drift if metric.endswith("throughput") else -drift
     if expected * error <= 0 or abs(expected) < abs(error) / 2:
         return None
     return (f"machine: vLLM's one-sequence decode step, timed before this point, took {here * 1e3:.1f} ms "
-            f"against {statistics.median(base) * 1e3:.1f} ms before the calibration points ({drift:+.0%}): "
+            f"against {base * 1e3:.1f} ms before the calibration points ({drift:+.0%}): "
             f"this machine's speed moved between them, which no cost term models")
 
 
@@ -278,9 +279,10 @@ def at_fault(rows: Sequence[dict], model, lines: Sequence[dict], search: bool = 
     vLLM's own counters first: preemptions, or at a fixed concurrency a batch, that the
     simulator did not reproduce on the same requests are its scheduler replay, not a
     cost. Then the machine: its speed, timed before each point, moved since the
-    calibration points by as much as the miss (``machine_at_fault``). Under Poisson
-    arrivals near capacity, next, the simulator's capacity (``capacity_at_fault``). Else the measurement that shows the term is the missed
-    shape's whole curve: each cost term in turn is scaled alone (``SCALES``) over that
+    calibration points in the direction of the miss and by at least half of it
+    (``machine_at_fault``). Under Poisson arrivals near capacity, next, the simulator's
+    capacity (``capacity_at_fault``). Else the measurement that shows the term is the
+    missed shape's whole curve: each cost term in turn is scaled alone (``SCALES``) over that
     shape's points at a fixed concurrency, and the one that brings the shape's worst
     miss on that metric lowest is named, with the factor (or none, if no term alone
     brings it lower); ``search=False`` stops before that search (minutes on a sweep)."""
