@@ -420,3 +420,16 @@ def test_a_miss_where_the_machine_slowed_down_names_the_machine():
     line.pop("at_fault")
     vllm_live.at_fault(rows, VLLM_LIKE, [line], search=False)
     assert line["at_fault"].startswith("batch: vLLM ran 4.0 sequences per step")
+
+
+def test_the_live_sweep_describes_the_machine_by_the_median_of_its_measurements():
+    from tinyserve.bench import vllm_live
+    from tinyserve.hardware import HardwareSpec
+
+    # A VM in three phases: one low measurement must not become the simulator's machine.
+    samples = [HardwareSpec("vm", {"fp32": f, "bf16": 2 * f}, bw, 24e9, source="measured")
+               for f, bw in [(221e9, 46.6e9), (162e9, 30.2e9), (210e9, 44.0e9)]]
+    machine = vllm_live.described(samples)
+    assert machine.flops == {"fp32": 210e9, "bf16": 420e9} and machine.memory_bandwidth == 44.0e9
+    assert (machine.name, machine.memory_size) == ("vm", 24e9)
+    assert machine.source == "measured; each figure the median of 3 such measurements over the sweep"

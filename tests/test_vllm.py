@@ -238,6 +238,10 @@ def test_the_simulator_is_calibrated_on_one_shape_of_a_live_vllm_and_predicts_th
     run = vllm_live.sweep("small", DTYPE, shapes=("mixed", "short-in-long-out"), concurrencies=(1, 8),
                           enforce_eager=True, poisson=False, verbose=False)
     assert all(p["errors"] == 0 for p in run["points"])
+    # The machine measured before vLLM starts and at each concurrency; the simulator gets the medians.
+    samples = run["hardware_samples"]
+    assert len(samples) == 3
+    assert run["hardware"]["memory_bandwidth"] == sorted(s["memory_bandwidth"] for s in samples)[1]
     # vLLM's own mean batch, from its step counter: one sequence at a time at c=1, never
     # more than the client lets in.
     for p in run["points"]:

@@ -15,7 +15,8 @@ point, the machine, not a cost term, is named at fault. vLLM's own ``/metrics`` 
 read before and after: its mean running batch (generated tokens / engine steps) and its preemptions sit
 beside what the simulator says of the same requests, replayed with the same arrival
 times and lengths. A held-out point that misses names the term at fault. The machine
-goes to the simulator as measured (``measure_device``: read bandwidth and matmul peak),
+goes to the simulator as measured (``measure_device``: read bandwidth and matmul peak,
+each the median of a measurement before vLLM starts and one at each concurrency),
 the model as its shape, the scheduler as vLLM resolved its knobs and KV blocks here. Every point becomes a
 measurement in ``tinyserve.sim.fidelity``'s format, so the fit and the comparison are
 the ones the published GPU runs go through.
@@ -29,14 +30,14 @@ import os
 import statistics
 import time
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
 from tinyserve.bench import vllm_setup
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
-from tinyserve.hardware import ModelSpec
+from tinyserve.hardware import HardwareSpec, ModelSpec
 from tinyserve.host import cache_root
 from tinyserve.sim import fidelity
 from tinyserve.sim.cost_model import EngineCostModel, get_cost_model
@@ -152,7 +153,7 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
     for shape in shapes:
         point_workload(shape, 1)    # a bad shape name fails before minutes of start-up
     load_average = [round(x, 1) for x in os.getloadavg()]      # before vLLM: what else ran here
-    hardware = measure_device(dtypes=("fp32", "bf16"))
+    samples = [measure_device(dtypes=("fp32", "bf16"))]
     model = checkpoint_dir(model_shape, dtype)
     resolved = vllm_setup.installed_knobs(model)["resolved"]
     flags = ["--enforce-eager"] if enforce_eager else []
@@ -168,6 +169,7 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
             if verbose:
                 print_point(points[-1])
         for c in concurrencies:
+            samples.append(measure_device(dtypes=("fp32", "bf16")))    # vLLM idle between points
             for shape in shapes:
                 measure(shape, c)
         if poisson:
@@ -177,8 +179,23 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
         engine = engine_of(server.url, resolved)
     return {"model": model_shape, "dtype": dtype, "vllm": vllm_setup.VLLM_VERSION, "date": time.strftime("%Y-%m-%d"),
             "machine": this_machine().as_dict(), "load_average": load_average,
-            "hardware": asdict(hardware), "engine": engine,
+            "hardware": asdict(described(samples)), "engine": engine,
+            "hardware_samples": [{"memory_bandwidth": h.memory_bandwidth, "flops": h.flops} for h in samples],
             "enforce_eager": enforce_eager, "start_up_s": start_up, "points": points}
+
+
+def described(samples: Sequence[HardwareSpec]) -> HardwareSpec:
+    """The machine as the simulator gets it: each figure the median of the sweep's
+    measurements (one before vLLM starts, one at each concurrency). One measurement is
+    one moment of a VM whose memory speed and matmul peak drift: two sweeps here, within
+    the hour, read 46.6 and 30.2 GB/s, 221 and 162 GFLOP/s (fp32), and a fit on the low
+    peak had no GEMM efficiency <= 1 left for vLLM's measured prefill."""
+    first = samples[0]
+    flops = {d: statistics.median(h.flops[d] for h in samples) for d in first.flops}
+    return replace(first, flops=flops,
+                   memory_bandwidth=statistics.median(h.memory_bandwidth for h in samples),
+                   source=f"{first.source}; each figure the median of {len(samples)} such "
+                          f"measurements over the sweep")
 
 
 def measurements(run: dict, calibrate: str = "mixed") -> list[dict]:
