@@ -37,7 +37,7 @@ from typing import Sequence
 
 from tinyserve.bench import vllm_setup
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
-from tinyserve.hardware import HardwareSpec, ModelSpec
+from tinyserve.hardware import HardwareSpec, ModelSpec, lookup
 from tinyserve.host import cache_root
 from tinyserve.sim import fidelity
 from tinyserve.sim.cost_model import EngineCostModel, get_cost_model
@@ -55,7 +55,9 @@ GOAL = 0.15
 # edge of its range, where the simplex barely moves it). The shipped sweep's calibration
 # loss: 0.0122 without the exponent (120 or 200 steps), 0.0078 with it (200 steps).
 FIT_ITERATIONS, EXPONENT_START = 200, 0.1
-STORED = "data/vllm_live_cpu.json"      # the sweep shipped with the package (its machine inside)
+# The sweeps shipped with the package (their machine inside), by model shape.
+STORED = {"cpu-bench": "data/vllm_live_cpu.json",
+          "qwen2.5-0.5b-shape": "data/vllm_live_cpu_qwen2.5-0.5b.json"}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 NEAR_CAPACITY = 0.9             # the Poisson point's rate, as a share of the measured capacity
 POISSON_REQUESTS = 128
@@ -412,9 +414,12 @@ def print_report(run: dict, out: dict, splits=("calibration", "held-out")) -> No
         print(f"worst held-out {metric}: {w['error']:+.1%} at {w['id']} (goal: within {GOAL:.0%})")
 
 
-def stored() -> dict:
-    """The sweep and report shipped with the package (``{"run": ..., "report": ...}``)."""
-    return json.loads(resources.files("tinyserve").joinpath(STORED).read_text())
+def stored(model_shape: str = "cpu-bench") -> dict:
+    """The sweep and report shipped with the package (``{"run": ..., "report": ...}``)
+    for ``model_shape``: cpu-bench at 1-256 concurrent requests, the Qwen2.5-0.5B shape
+    at 1-64 (fp32 both)."""
+    return json.loads(resources.files("tinyserve").joinpath(lookup(STORED, model_shape, "model_shape"))
+                      .read_text())
 
 
 def last_path() -> Path:
