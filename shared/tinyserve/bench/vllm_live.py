@@ -155,7 +155,8 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
     for shape in shapes:
         point_workload(shape, 1)    # a bad shape name fails before minutes of start-up
     load_average = [round(x, 1) for x in os.getloadavg()]      # before vLLM: what else ran here
-    samples = [measure_device(dtypes=("fp32", "bf16"))]
+    machine = lambda: measure_device(dtypes=tuple(DTYPES.values()))
+    samples = [machine()]
     model = checkpoint_dir(model_shape, dtype)
     resolved = vllm_setup.installed_knobs(model)["resolved"]
     flags = ["--enforce-eager"] if enforce_eager else []
@@ -171,7 +172,7 @@ def sweep(model_shape: str = "cpu-bench", dtype: str = "float32", shapes: Sequen
             if verbose:
                 print_point(points[-1])
         for c in concurrencies:
-            samples.append(measure_device(dtypes=("fp32", "bf16")))    # vLLM idle between points
+            samples.append(machine())    # vLLM idle between points
             for shape in shapes:
                 measure(shape, c)
         if poisson:
