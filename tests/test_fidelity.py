@@ -435,20 +435,25 @@ def test_the_live_sweep_describes_the_machine_by_the_median_of_its_measurements(
     assert machine.source == "measured; each figure the median of 3 such measurements over the sweep"
 
 
-@pytest.mark.parametrize("model_shape, fixed_within", [("cpu-bench", 12), ("qwen2.5-0.5b-shape", 7)])
-def test_the_shipped_live_sweeps_are_predicted_from_their_calibration_shape(model_shape, fixed_within):
+@pytest.mark.parametrize("model_shape, dtype, fixed_within", [
+    ("cpu-bench", "float32", 12), ("qwen2.5-0.5b-shape", "float32", 7), ("qwen2.5-0.5b-shape", "bfloat16", 11)])
+def test_the_shipped_live_sweeps_are_predicted_from_their_calibration_shape(model_shape, dtype, fixed_within):
     # Today's simulator with the fit stored beside each real vLLM sweep (AMD EPYC, 2 cores,
     # 32 MiB L3): the held-out points at fixed concurrencies within 15% on each judged
-    # metric, as when they were stored: cpu-bench 12 of 12; the 0.5B shape 7 or 8 of 8, its
-    # miss short-in-long-out at c4, where vLLM's 4-sequence step ran faster than its
-    # one-sequence step (56 against 74 ms), which no cost term models.
+    # metric, as when they were stored. cpu-bench (fp32, Zen 4): 12 of 12. The 0.5B shape
+    # in fp32 (Zen 4, c1-c64): 7 or 8 of 8, its miss short-in-long-out at c4, where vLLM's
+    # 4-sequence step ran faster than its one-sequence step (56 against 74 ms), which no
+    # cost term models. In bf16 (Zen 5, c1-c256): 11 or 12 of 12, its miss the TTFT of
+    # short-in-long-out at c1 (+30%, the front end).
     from tinyserve.bench import vllm_live
 
-    saved = vllm_live.stored(model_shape)
-    assert saved["run"]["model"] == model_shape
+    saved = vllm_live.stored(model_shape, dtype)
+    assert (saved["run"]["model"], saved["run"]["dtype"]) == (model_shape, dtype)
     out = vllm_live.replay(saved)
     fixed = [r for r in out["rows"] if r["judged"] and r["load"] != "poisson"]
     for metric in vllm_live.JUDGED:
         assert sum(r["within_goal"] for r in fixed if r["metric"] == metric) >= fixed_within, metric
     with pytest.raises(ValueError, match="unknown model_shape 'llama'"):
         vllm_live.stored("llama")
+    with pytest.raises(ValueError, match=r"unknown dtype of cpu-bench's stored sweeps 'bfloat16'; choose one of \['float32'\]"):
+        vllm_live.stored("cpu-bench", "bfloat16")

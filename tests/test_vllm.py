@@ -242,6 +242,7 @@ def test_the_simulator_is_calibrated_on_one_shape_of_a_live_vllm_and_predicts_th
     samples = run["hardware_samples"]
     assert len(samples) == 3
     assert run["hardware"]["memory_bandwidth"] == sorted(s["memory_bandwidth"] for s in samples)[1]
+    assert "bandwidth: read_bandwidth" in run["hardware"]["source"]     # a read's, not a copy's
     # vLLM's own mean batch, from its step counter: one sequence at a time at c=1, never
     # more than the client lets in.
     for p in run["points"]:
