@@ -44,8 +44,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="--no-enforce-eager speeds up decode steps where that measures faster "
                         "at start (CPU: weights packed once for oneDNN; GPU: one CUDA graph per "
-                        "batch bucket); default: packed on a CPU for weights larger than its "
-                        "cache, else eager")
+                        "batch bucket); default: on a CPU, packed where a decode step timed at "
+                        "start ran faster packed, else eager")
 
 
 def _limit_args(p: argparse.ArgumentParser, router: bool = False) -> None:
