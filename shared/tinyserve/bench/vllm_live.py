@@ -61,7 +61,7 @@ FIT_ITERATIONS, EXPONENT_START = 200, 0.1
 # 0.0078, 0.5B fp32 0.0011 -> 0.0005) but held out fewer points within 15% over the three
 # sweeps (throughput / TPOT / TTFT: 36 / 30 / 34 of 38, against 37 / 35 / 36 without it).
 # The sweeps shipped with the package (their machine inside), by model shape and dtype.
-STORED = {"cpu-bench": {"float32": "data/vllm_live_cpu.json"},
+STORED = {"cpu-bench": {"float32": "data/vllm_live_cpu.json", "bfloat16": "data/vllm_live_cpu_bf16.json"},
           "qwen2.5-0.5b-shape": {"float32": "data/vllm_live_cpu_qwen2.5-0.5b.json",
                                  "bfloat16": "data/vllm_live_cpu_qwen2.5-0.5b_bf16.json"}}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
@@ -429,8 +429,8 @@ def print_report(run: dict, out: dict, splits=("calibration", "held-out")) -> No
 
 def stored(model_shape: str = "cpu-bench", dtype: str = "float32") -> dict:
     """The sweep and report shipped with the package (``{"run": ..., "report": ...}``)
-    for ``model_shape`` in ``dtype``: cpu-bench in fp32 at 1-256 concurrent requests, the
-    Qwen2.5-0.5B shape in fp32 at 1-64 and in bf16 at 1-256."""
+    for ``model_shape`` in ``dtype``: cpu-bench in fp32 and bf16 at 1-256 concurrent
+    requests, the Qwen2.5-0.5B shape in fp32 at 1-64 and in bf16 at 1-256."""
     path = lookup(lookup(STORED, model_shape, "model_shape"), dtype, f"dtype of {model_shape}'s stored sweeps")
     return json.loads(resources.files("tinyserve").joinpath(path).read_text())
 
