@@ -146,8 +146,10 @@ MIX = [([(7 * i + 3 * j) % 2000 + 10 for j in range(16)], n) for i, n in enumera
 
 
 def _run_mix(seats: int) -> tuple[float, float]:
-    """Output tokens/s and mean TPOT of 4 long requests, then 12 short ones, on a fresh ``small`` engine."""
-    llm = LLM("small", seed=0, max_num_seqs=seats, max_num_batched_tokens=512, max_model_len=128, device="cpu")
+    """Output tokens/s and mean TPOT of 4 long requests, then 12 short ones, on a fresh ``small`` engine
+    (packed weights, as the probe's: a one-seat engine left to choose times bucket 1 alone)."""
+    llm = LLM("small", seed=0, max_num_seqs=seats, max_num_batched_tokens=512, max_model_len=128, device="cpu",
+              enforce_eager=False)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     outs = llm.generate([p for p, _ in MIX], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in MIX])
     s = summarize([o.metrics for o in outs])
@@ -171,7 +173,7 @@ def _decode_step(llm: LLM, batch: int, steps: int = 6) -> float:
 def c03():
     """More seats: higher throughput and a slower TPOT (real engine on this CPU vs its scheduler on a fitted line)."""
     def remeasure(attempt):
-        probe = LLM("small", seed=0, max_num_seqs=16, max_model_len=128, device="cpu")
+        probe = LLM("small", seed=0, max_num_seqs=16, max_model_len=128, device="cpu", enforce_eager=False)
         _decode_step(probe, 4, 2)
         t1, t16 = _decode_step(probe, 1), _decode_step(probe, 16)
         per_token = max(0.0, (t16 - t1) / 15)
