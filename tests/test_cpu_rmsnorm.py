@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tinyserve import cpu_rmsnorm, kernels as K
 from tinyserve.model import RMSNorm, kernel_ops
@@ -18,6 +18,8 @@ needs_kernel = pytest.mark.skipif(not cpu_rmsnorm.available(), reason="no C comp
 @given(rows=st.integers(0, 40), n=st.sampled_from([1, 7, 8, 13, 64, 100, 896]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
        eps=st.sampled_from([1e-6, 1e-5, 0.1]), seed=st.integers(0, 2**16))
+# Found by a fresh clone's make test: one element 0.0078 off at 0.91 (0.86%, over 2^-7).
+@example(rows=23, n=896, dtype=torch.bfloat16, scale=300.0, eps=0.1, seed=2610)
 def test_the_kernel_gives_torchs_chain_but_for_the_order_of_one_sum(rows, n, dtype, scale, eps, seed):
     # Any row count (none, one, enough to split across threads), rows not a multiple of 8
     # lanes, small and large values; the weight has the model's dtype.
@@ -30,8 +32,11 @@ def test_the_kernel_gives_torchs_chain_but_for_the_order_of_one_sum(rows, n, dty
     assert torch.equal(h, want_h)                    # the add: one rounding, the same one
     if dtype == torch.float32:   # a few ulps, from the sum's order: 4.5e-7 seen, 896 wide
         torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-30)
-    else:       # at most one bf16 step, and rarely: only where the sum's order moved rstd
-        torch.testing.assert_close(out.float(), want_out.float(), rtol=2 ** -7, atol=1e-30)
+    else:
+        # Rarely, where the sum's order moved rstd: the normalized value rounds to bf16 one step
+        # away (up to 2^-7 of it), and the product with the weight is rounded on each side (up
+        # to 2^-8 each): within 2^-6 of torch's result.
+        torch.testing.assert_close(out.float(), want_out.float(), rtol=2 ** -6, atol=1e-30)
         if out.numel() >= 100:
             assert (out == want_out).float().mean() > 0.98
 
