@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from test_compiled_step import ENGINE, workload
 from tinyserve import LLM, SamplingParams, packed_gemm
 from tinyserve.checkpoint import save_pretrained
+from tinyserve.compiled_step import capture_sizes_for
 from tinyserve.executor import ModelExecutor
 from tinyserve.model import get_preset, LlamaForServing
 
@@ -30,7 +31,7 @@ def test_packed_greedy_tokens_equal_eager_under_batching_chunking_caching_preemp
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     executor = packed.engine.executor
     assert executor.packed is not None and executor.graphs is None and not executor.enforce_eager
-    assert executor.packed.sizes == (1, 2, 4) and executor.packed.steps_run > 0
+    assert executor.packed.steps_run > 0
     assert sum(o.request.num_preemptions for o in got) > 0
     assert packed.engine.block_manager.num_hit_tokens > 0
     assert packed.engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
@@ -41,8 +42,9 @@ class FakeClock:
     on the side made slow (eager, with no packed layer, or packed); anything else, 1 ns
     between two readings (GEMMs timed padded and not: a tie, no padding)."""
 
-    def __init__(self, slow: str):
+    def __init__(self, slow: str, rows: tuple[int, ...] | None = None):
         self.now, self.slow = 0.0, slow
+        self.rows = rows            # where that side is slow (None: all; elsewhere the other)
 
     def __call__(self) -> float:
         self.now += 1e-9
@@ -50,7 +52,10 @@ class FakeClock:
 
     def hook(self, module, args, kwargs):
         packed = args[7] if len(args) > 7 else kwargs.get("packed")
-        self.now += 0.010 if (packed is None) == (self.slow == "eager") else 0.001
+        slow = self.slow == "eager"
+        if self.rows is not None and args[0].shape[0] not in self.rows:
+            slow = not slow
+        self.now += 0.010 if (packed is None) == slow else 0.001
 
 
 @pytest.mark.parametrize("slow, kept", [("eager", True), ("packed", False)])
@@ -69,7 +74,7 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
         handle.remove()
     path = executor.packed
     want = "packed" if kept else "eager"
-    assert path.choices == {1: want, 2: want, 4: want}
+    assert path.choices == {1: want, 2: want, 4: want, 8: want}
     assert all(r == pytest.approx(10.0 if kept else 0.1) for r in path.speedups.values())
     assert (path.weights is not None) == kept and executor.enforce_eager == (not kept)
     dense = {n: p.device.type for n, p in model.named_parameters()}
@@ -82,6 +87,26 @@ def test_the_choice_follows_the_measured_side(slow, kept, monkeypatch):
     if kept:
         assert "not padded" in path.describe() and path.weights.pad_to == 1
         assert all(m.pad_to == 1 for m in path.weights._all())
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 16])
+def test_the_choice_is_the_models_not_the_engines_seat_count(max_num_seqs, monkeypatch):
+    """Every engine times the same batch sizes at start, whatever its own buckets, so
+    engines on one model choose alike: here packed is faster only at 4 rows (as on a CPU
+    whose 1-row steps favour eager), and a one-seat engine packs as a 16-seat one does."""
+    model = LlamaForServing.from_seed(get_preset("tiny"))
+    clock = FakeClock("eager", rows=(4,))
+    handles = [layer.register_forward_pre_hook(clock.hook, with_kwargs=True) for layer in model.model.layers]
+    monkeypatch.setattr(time, "perf_counter", clock)
+    executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
+                             capture_sizes=capture_sizes_for(max_num_seqs))
+    monkeypatch.undo()
+    for handle in handles:
+        handle.remove()
+    path = executor.packed
+    assert tuple(path.timings) == packed_gemm.CHOICE_SIZES
+    assert path.choices == {1: "eager", 2: "eager", 4: "packed", 8: "eager"}
+    assert path.weights is not None and not executor.enforce_eager
 
 
 def test_one_row_gemms_are_padded_where_padding_measured_faster(monkeypatch):
@@ -141,8 +166,9 @@ def test_choosing_packs_the_first_layers_in_place_and_times_the_next_ones_dense(
     executor = ModelExecutor(model, num_blocks=16, block_size=4, enforce_eager=None,
                              capture_sizes=(1, 2))
     path = executor.packed
-    # Two buckets timed (then, if packed is kept, the padding: every layer packed by then).
-    assert forms[:2] == [["meta", "meta", "cpu", "cpu", "cpu"]] * 2 and set(timed) == {0, 1, 2, 3}
+    # Four batch sizes timed (then, if packed is kept, the padding: every layer packed by then).
+    sizes = len(packed_gemm.CHOICE_SIZES)
+    assert forms[:sizes] == [["meta", "meta", "cpu", "cpu", "cpu"]] * sizes and set(timed) == {0, 1, 2, 3}
     assert path.layers_timed == 2 and f"layers 1-2 packed against 3-4 dense (of {layers})" in path.describe()
     if slow == "eager":         # packed kept: the probe's layers are the packed weights' own
         assert path.weights is not None and all(p.is_meta for n, p in model.named_parameters()

@@ -56,7 +56,7 @@ class ModelExecutor:
         self.packed = None                  # packed_gemm.PackedDecode
         scratch_slot = num_blocks * block_size
         if packs:
-            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, capture_sizes, scratch_slot,
+            self.packed = packed_gemm.PackedDecode(model, self.kv_cache, scratch_slot,
                                                    choose=enforce_eager is None)
             self.packed.warm_up()
         elif compiles:

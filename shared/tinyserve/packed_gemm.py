@@ -32,14 +32,15 @@ outruns the kernel). Where the kernel cannot be built (no C compiler), a GEMM of
 few rows multiplies the bf16 weight directly in torch instead.
 
 With ``enforce_eager=None`` (``PackedDecode(..., choose=True)``) the engine first
-times a few layers of a decode step of each batch-size bucket both ways: the
-first layers packed in place against as many of the next layers, dense and of
-the same shapes (each side's weights twice the last-level cache: streamed from
-memory as a step streams the model), at a realistic context
-(``CHOICE_CONTEXT``), in interleaved pairs (``host.paired_ratio``): a bucket
-chooses packed when all of its pairs but one found it faster. There is one copy of the
-weights, so the choice is one for the whole model: the weights are packed if any
-bucket chose it, and stay dense if every bucket chose eager. ``choices`` and
+times a few layers of a decode step of 1, 2, 4 and 8 rows (``CHOICE_SIZES``, whatever
+the engine's own buckets) both ways: the first layers packed in place against as
+many of the next layers, dense and of the same shapes (each side's weights twice the
+last-level cache: streamed from memory as a step streams the model), at a realistic
+context (``CHOICE_CONTEXT``), in interleaved pairs (``host.paired_ratio``): a batch
+size chooses packed when all of its pairs but one found it faster. There is one copy
+of the weights, so the choice is one for the whole model, the same for every engine
+on it: the weights are packed if any size chose it, and stay dense if every size
+chose eager. ``choices`` and
 ``timings`` record what was measured (``describe`` prints them; the engine logs
 them). The timing is a start-up sample on whatever else the machine was doing
 then, not a guarantee for every later step. Packing releases each dense weight as
@@ -71,15 +72,18 @@ ENABLED = True
 # oneDNN picks its packed layout for a typical row count; one layout serves every M
 # (``bench crossover`` compares it with a layout packed for each batch).
 PACK_HINT = 8
-# enforce_eager=None: time packed against eager per bucket and keep the weights packed
-# only if a bucket chose them (tests of the packed path itself turn this off).
+# enforce_eager=None: time packed against eager per batch size and keep the weights
+# packed only if a size chose them (tests of the packed path itself turn this off).
 CHOOSE_FASTER = True
-# Interleaved eager/packed pairs timed per bucket at start, each a decode step whose
-# rows attend over CHOICE_CONTEXT tokens (capped at the model's context). Only buckets
-# up to CHOICE_MAX_BATCH are timed: the choice is one for the whole model, small
-# batches are where eager and packed GEMMs differ most, and large eager steps would
-# make start-up slow.
-CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_MAX_BATCH = 9, 256, 8
+# Interleaved eager/packed pairs timed per batch size at start, each a decode step whose
+# rows attend over CHOICE_CONTEXT tokens (capped at the model's context). The sizes timed
+# are CHOICE_SIZES whatever the engine's own buckets: the weights are one copy for every
+# step, so the choice belongs to the model, its dtype and the CPU, not to max_num_seqs (a
+# one-seat engine that timed bucket 1 alone ran `small` eagerly where 4 and 16 seats
+# packed it: on an AMD EPYC Zen 5, 32 MiB L3, B=1's pairs straddle 1 and B=4's read
+# 1.16-1.40). Small batches are where eager and packed GEMMs differ most, and large eager
+# steps would make start-up slow.
+CHOICE_PAIRS, CHOICE_CONTEXT, CHOICE_SIZES = 9, 256, (1, 2, 4, 8)
 # On some CPUs oneDNN's kernels for 1 or 2 rows read a packed weight more slowly than
 # its 4-row kernel does (every GEMM of cpu-bench on an AMD EPYC Zen 4: 1.04-1.37x slower,
 # fp32 and bf16, 1 and 2 threads), and the few rows that pad a call to 4 cost nothing at
@@ -413,34 +417,33 @@ class PackedWeights:
 class PackedDecode:
     """The model on ``PackedWeights`` where that measured faster (or always, pinned).
 
-    ``choose=True``: time each bucket at start and keep packing if any bucket chose it;
+    ``choose=True``: time each of ``CHOICE_SIZES`` at start and keep packing if any chose it;
     ``choose=False``: pack, with no timing (``enforce_eager=False``). Bf16 weights on a
     CPU without native bf16 (``form`` "upcast") are not timed: each GEMM already takes
     the faster of its two ways by its row count (``upcast_matmul``), and the steps it
     speeds up most (prefill chunks, large batches) are not the decode steps timed here."""
 
-    def __init__(self, model: LlamaForServing, kv_cache: KVCache, sizes: tuple[int, ...],
-                 scratch_slot: int, choose: bool = True):
+    def __init__(self, model: LlamaForServing, kv_cache: KVCache, scratch_slot: int,
+                 choose: bool = True):
         self.model, self.kv_cache = model, kv_cache
-        self.sizes = tuple(sorted(sizes))
         self.scratch_slot = scratch_slot        # where timing rows write their K and V
         self.form = form(model)
         self.choose = choose and CHOOSE_FASTER and self.form == "packed"
         self.weights: PackedWeights | None = None
         self.pack_seconds = 0.0
         self.warm_up_seconds = 0.0      # packing and choosing, at start
-        # bucket -> eager time / packed time measured at start, all its pairs (> 1: packed
-        # is faster; a bucket whose pairs straddle 1 stays eager)
+        # batch size -> eager time / packed time measured at start, all its pairs (> 1:
+        # packed is faster; a size whose pairs straddle 1 chooses eager)
         self.timings: dict[int, PairedRatio] = {}
-        self.choices: dict[int, str] = {}     # bucket -> "packed" or "eager", as timed
+        self.choices: dict[int, str] = {}     # batch size -> "packed" or "eager", as timed
         self.steps_run = 0              # decode steps that ran on the packed weights
-        self.layers_timed = 0           # choosing: the decoder layers timed per bucket and side
+        self.layers_timed = 0           # choosing: the decoder layers timed per size and side
         self.eager_from = 0             # choosing: the first layer of the dense side
         self.padding = None             # packed: PairedRatio of 1-row GEMMs unpadded / padded
 
     @property
     def speedups(self) -> dict[int, float]:
-        """bucket -> the median of its pairs, eager time / packed time (> 1: packed is faster)."""
+        """batch size -> the median of its pairs, eager time / packed time (> 1: packed is faster)."""
         return {size: ratio.median for size, ratio in self.timings.items()}
 
     def weights_for(self, decode: bool) -> PackedWeights | None:
@@ -451,7 +454,7 @@ class PackedDecode:
         return self.weights
 
     def warm_up(self) -> float:
-        """Pack every weight (choosing: if a bucket timed faster packed); seconds."""
+        """Pack every weight (choosing: if a batch size timed faster packed); seconds."""
         started = time.perf_counter()
         probe = self.choose_by_timing() if self.choose else []
         if not self.choose or "packed" in self.choices.values():
@@ -466,12 +469,12 @@ class PackedDecode:
         return self.warm_up_seconds
 
     def choose_by_timing(self) -> list[PackedLayer]:
-        """Time each bucket up to ``CHOICE_MAX_BATCH`` eager against packed and record the
-        choices; returns the layers left packed for ``PackedWeights`` to go on from.
+        """Time each of ``CHOICE_SIZES`` eager against packed and record the choices;
+        returns the layers left packed for ``PackedWeights`` to go on from.
 
         The first few layers are packed in place (their dense weights released) and timed
         against as many of the next layers, still dense and of the same shapes, so the
-        model is never held in both forms. If every bucket chooses eager, those layers
+        model is never held in both forms. If every size chooses eager, those layers
         get their dense weights back. A model too shallow for that (one layer) times a
         packed copy of its layer against the layer itself."""
         layers = self.model.model.layers
@@ -480,7 +483,7 @@ class PackedDecode:
         probe = [PackedLayer(layer, functools.partial(MergedLinear, release=in_place))
                  for layer in layers[:n]]
         self.layers_timed, self.eager_from = n, n if in_place else 0
-        for size in [s for s in self.sizes if s <= CHOICE_MAX_BATCH] or self.sizes[:1]:
+        for size in CHOICE_SIZES:
             ratio = self.time_against_eager(size, probe, eager_from=self.eager_from)
             self.timings[size] = ratio
             # All pairs but one must agree (host.PairedRatio.low is the second-smallest): a
@@ -520,7 +523,7 @@ class PackedDecode:
         return paired_ratio(eager, packed, pairs=pairs)
 
     def describe(self) -> str:
-        """One line: the weights every step runs on, and what each bucket measured."""
+        """One line: the weights every step runs on, and what each batch size measured."""
         if self.form == "upcast":
             few = (f"up to {bf16_gemm.MAX_ROWS} rows in the fused bf16 kernel, more"
                    if bf16_gemm.available() else
@@ -538,12 +541,12 @@ class PackedDecode:
                     f"enforce_eager=False); every step runs on them{padding}")
         parts = [f"B={s}: {self.choices[s]} ({self.timings[s]})" for s in self.choices]
         kept = ("packed weights kept, every step runs on them" if self.weights is not None
-                else "every bucket chose eager: packing dropped")
+                else "every batch size chose eager: packing dropped")
         n, first = self.layers_timed, self.eager_from
         timed = (f"layers 1-{n} packed against {first + 1}-{first + n} dense" if first
                  else "a packed copy of layer 1 against itself")
         return (f"{kept}; {timed} (of {self.model.config.num_hidden_layers}), a decode step per "
-                f"bucket (eager time / packed time at start; packed where all pairs but one say so): "
+                f"batch size (eager time / packed time at start; packed where all pairs but one say so): "
                 + ", ".join(parts) + padding)
 
 

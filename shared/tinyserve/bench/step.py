@@ -71,7 +71,7 @@ print(json.dumps({{"start_s": time.perf_counter() - started,
 """
 
 # The start-up runs: (name, enforce_eager). Cold and warm share one new Inductor cache
-# (it matters where graphs are compiled); "measured" times packed against eager per bucket.
+# (it matters where graphs are compiled); "measured" times packed against eager at start.
 START_RUNS = (("cold", False), ("warm", False), ("measured", None))
 
 
