@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tinyserve import cpu_attention
-from tinyserve.model import apply_rotary_qk, decode_attention, gather_kv, rotary_cos_sin, write_kv
+from tinyserve import model as model_module
+from tinyserve.model import (Attention, AttentionMetadata, ModelConfig, apply_rotary_qk, decode_attention,
+                             gather_kv, rotary_cos_sin, write_kv)
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler builds the kernel here")
 
@@ -81,6 +83,47 @@ def test_the_model_uses_it_on_a_cpu_and_only_reads_each_requests_context():
     out = decode_attention(q, k_cache, v_cache, tables, ctx, 16)
     assert not out.isnan().any()
     torch.testing.assert_close(out, torch_decode(q, k_cache, v_cache, tables, ctx), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(decodes=st.lists(st.integers(1, 40), max_size=3),
+       chunks=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 60)), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+@example(decodes=[7], chunks=[(5, 0), (80, 20), (16, 3)], dtype=torch.float32, seed=0)
+def test_short_prefill_chunks_attend_in_the_decodes_call_as_torch_attends_them(decodes, chunks, dtype, seed):
+    # A step of decode rows, then prefill chunks of n new tokens after `cached` ones: the
+    # decodes and every chunk of at most KERNEL_PREFILL_SCORES new x context tokens go to
+    # the kernel in one call (each token a row over its causal prefix), the rest to torch;
+    # every row must come out as torch's path computes it, here in fp64.
+    attn = Attention(ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 0)
+    lens = decodes + [n + cached for n, cached in chunks]
+    _, k_cache, v_cache, tables, _ = paged(len(lens), 2, 2, 16, 4, lens, dtype, seed)
+    query_lens = [1] * len(decodes) + [n for n, _ in chunks]
+    q = torch.randn(sum(query_lens), 4, 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+    def meta():
+        return AttentionMetadata(slot_mapping=None, query_lens=query_lens, context_lens=lens,
+                                 block_tables=tables, num_decodes=len(decodes),
+                                 decode_context_lens=torch.tensor(decodes, dtype=torch.long))
+    step = meta()
+    got = attn.attend(q, step, k_cache, v_cache, {"decode_attention": None})
+    left = [r for r, (n, ctx) in enumerate(zip(query_lens, lens))
+            if r >= len(decodes) and n * ctx > model_module.KERNEL_PREFILL_SCORES]
+    assert [r for r, _ in step.kernel_rows.torch_chunks] == left
+    assert step.kernel_rows.count == sum(query_lens) - sum(query_lens[r] for r in left)
+    assert got.dtype == dtype and got.shape == q.shape
+    # The kernel's rows against fp64 (fp32 sums, bf16 rounded once at the end); torch's
+    # chunks are torch's own path in the step's dtype, unchanged.
+    starts = [sum(query_lens[:r]) for r in range(len(lens))]
+    mine = torch.ones(len(q), dtype=torch.bool)
+    for r in left:
+        mine[starts[r]:starts[r] + query_lens[r]] = False
+        torch.testing.assert_close(got[starts[r]:starts[r] + query_lens[r]], attn._prefill(
+            q[starts[r]:starts[r] + query_lens[r]], k_cache, v_cache, tables[r], lens[r]), rtol=0, atol=0)
+    want = attn.attend(q.double(), meta(), k_cache.double(), v_cache.double(), {"decode_attention": None})
+    torch.testing.assert_close(got[mine].double(), want[mine], atol=1e-5,
+                               rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
 
 
 @needs_kernel

@@ -13,6 +13,7 @@ import time
 import torch
 
 from tinyserve import packed_gemm, sampler
+from tinyserve.host import keep_freed_memory
 from tinyserve.compiled_step import CAPTURE_SIZES, compile_decode
 from tinyserve.kv_cache import blocks_for
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
@@ -63,6 +64,8 @@ class ModelExecutor:
             width = max_blocks_per_seq or blocks_for(model.config.max_position_embeddings,
                                                      block_size)
             self.graphs = compile_decode(model, self.kv_cache, width, capture_sizes, scratch_slot)
+        if self.device.type == "cpu":
+            keep_freed_memory()         # after start-up's trim: steps reuse what steps free
 
     @property
     def enforce_eager(self) -> bool:
