@@ -13,8 +13,8 @@ import time
 import torch
 
 from tinyserve import packed_gemm, sampler
-from tinyserve.host import keep_freed_memory
 from tinyserve.compiled_step import CAPTURE_SIZES, compile_decode
+from tinyserve.host import keep_freed_memory
 from tinyserve.kv_cache import blocks_for
 from tinyserve.model import AttentionMetadata, KVCache, LlamaForServing
 from tinyserve.request import SEED_MODULUS, SamplingParams

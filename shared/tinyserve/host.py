@@ -5,7 +5,8 @@ benchmark tooling of ``tinyserve.measure``: ``l3_cache_bytes`` (does a model's
 weight stack fit the last-level cache?), ``cpu_name``, ``usable_cores`` and
 ``free_cores`` (those other programs leave free), ``fixed_threads`` (run a block
 on a given number of torch threads, by default the free cores), and
-``keep_freed_memory`` (the C library's allocator keeps what a step frees for the next).
+``keep_freed_memory`` (the C library's allocator keeps what a step frees for the next)
+and ``return_freed_memory`` (hand what start-up freed back to the OS).
 
 The discipline every timing in the book follows is here too, in one place:
 ``median_time`` (warm-up, then the median of repeats) and ``paired_ratio`` (A and
@@ -200,6 +201,15 @@ def keep_freed_memory() -> bool:
         return False
     return (mallopt(M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD) == 1
             and mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD) == 1)
+
+
+def return_freed_memory() -> None:
+    """Give freed weights back to the OS. glibc keeps freed heap chunks below its mmap
+    threshold (most weight matrices) in the process, where RSS still counts them;
+    ``malloc_trim`` returns them, whatever ``keep_freed_memory`` set. A no-op where the C
+    library is not glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def usable_cores() -> int:

@@ -173,6 +173,8 @@ class KernelRows:
 
 
 def kernel_rows(meta: AttentionMetadata) -> KernelRows:
+    if meta.num_decodes == len(meta.query_lens):        # a decode step: its own tables, as they are
+        return KernelRows(None, meta.num_decodes, meta.block_tables, meta.decode_context_lens, [])
     requests, lens, index, left = [], [], [], []
     start = 0
     for r, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):

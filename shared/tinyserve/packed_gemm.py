@@ -51,7 +51,6 @@ weight beside the model.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import math
@@ -61,7 +60,7 @@ from typing import Callable
 import torch
 
 from tinyserve import bf16_gemm
-from tinyserve.host import PairedRatio, l3_cache_bytes, paired_ratio
+from tinyserve.host import PairedRatio, l3_cache_bytes, paired_ratio, return_freed_memory
 from tinyserve.model import KVCache, LlamaForServing, scratch_layers
 
 log = logging.getLogger(__name__)
@@ -172,14 +171,6 @@ def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), hint)
     bias = None if bias is None else bias.detach().contiguous()
     return lambda x: onednn_matmul(x, packed, bias)
-
-
-def return_freed_memory() -> None:
-    """Give freed weights back to the OS. glibc keeps freed heap chunks below its mmap
-    threshold (most weight matrices) in the process, where RSS still counts them;
-    ``malloc_trim`` returns them. A no-op where the C library is not glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def upcast_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -147,7 +147,7 @@ MIX = [([(7 * i + 3 * j) % 2000 + 10 for j in range(16)], n) for i, n in enumera
 
 def _run_mix(seats: int) -> tuple[float, float]:
     """Output tokens/s and mean TPOT of 4 long requests, then 12 short ones, on a fresh ``small`` engine
-    (packed weights, as the probe's: a one-seat engine left to choose times bucket 1 alone)."""
+    (packed weights, as the probe's: the default decides by a timing at start, a sample of the moment)."""
     llm = LLM("small", seed=0, max_num_seqs=seats, max_num_batched_tokens=512, max_model_len=128, device="cpu",
               enforce_eager=False)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
