@@ -63,6 +63,36 @@ def test_the_shipped_vllm_run_names_its_machine_and_holds_only_what_make_peer_ru
     assert "equal tinyserve packed's" in printed[0]
 
 
+def test_peer_engines_loaded_together_take_turns_and_report_their_median_round():
+    # vLLM left out: the rounds, the turns and the report are the same for any engine.
+    said = []
+    report = vllm_peer.run(shapes=("small",), dtypes=("float32",), online=False, rounds=3,
+                           engines=("tinyserve packed", "tinyserve eager"), say=lambda line, **_: said.append(line))
+    assert report["rounds"] == 3
+    assert [s for s in said if "round" in s] == [f"small float32: offline round {r} of 3 ..." for r in (1, 2, 3)]
+    rows = {(r["engine"], r["workload"]): r for r in report["rows"]}
+    assert len(rows) == 2 * len(vllm_peer.VLLM_SCENARIOS)
+    for row in rows.values():
+        assert len(row["tok_per_s_rounds"]) == 3 and row["tok_per_s"] == sorted(row["tok_per_s_rounds"])[1]
+        assert row["equal"] == row["requests"], row          # packed and eager: the same greedy tokens
+
+
+def test_the_ratio_of_two_engines_is_the_median_of_their_rounds_ratios():
+    row = lambda engine, rates: {"engine": engine, "mode": "offline", "model": "m", "dtype": "d",
+                                 "workload": "B=1", "tok_per_s": sorted(rates)[1], "tok_per_s_rounds": rates,
+                                 "ttft": 0.1, "tpot": 0.01, "start_s": 1.0, "equal": None, "requests": 4,
+                                 "errors": 0}
+    # Round by round 2.0, 0.5 and 1.5: the median is 1.5, where the medians' ratio would be 1.0.
+    ours, theirs = row("tinyserve packed", [20.0, 10.0, 30.0]), row("vLLM tuned", [10.0, 20.0, 20.0])
+    assert vllm_peer.paired_ratios(ours, theirs) == [2.0, 0.5, 1.5]
+    printed = []
+    vllm_peer.print_report({"machine": {"cpu": "x", "cores": 2}, "vllm": "v", "rows": [ours, theirs]},
+                           printed.append)
+    assert printed[-1].split() == ["m", "d", "B=1", "1.50x", "(0.50-2.00,", "3", "rounds)"]
+    # A report from before rounds: one rate per row.
+    assert vllm_peer.paired_ratios(*({**r, "tok_per_s_rounds": None} for r in (ours, theirs))) == [1.0]
+
+
 def test_an_unfinished_make_vllm_is_not_taken_for_an_installed_vllm(tmp_path, monkeypatch):
     # While `make vllm` runs (or after it was cut short) .venv-vllm has a python but no vLLM:
     # every vLLM cell and test must skip with a line, not crash on `import vllm`.

@@ -235,6 +235,9 @@ def add_arguments(parser) -> None:
                             ("tinyserve packed", "tinyserve eager", "vLLM defaults", "vLLM tuned")))
     parser.add_argument("--no-server", action="store_true",
                         help="with --engine vllm: the offline APIs only, no OpenAI servers")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="with --engine vllm: offline rounds, the engines loaded together taking "
+                             "turns (default 3)")
 
 
 def main(args) -> dict:

@@ -1,12 +1,13 @@
 """tinyserve beside a real vLLM on this CPU, on the same weights:
 ``python -m tinyserve.bench peer --engine vllm [--models cpu-bench,qwen2.5-0.5b-shape]
-[--dtypes float32,bfloat16] [--engines ...] [--no-server] [--out FILE]`` (``make peer``).
+[--dtypes float32,bfloat16] [--engines ...] [--rounds R] [--no-server] [--out FILE]`` (``make peer``).
 
 vLLM runs from its own environment (``bench.vllm_setup``): ``bench.vllm_worker`` for its
 offline API, its OpenAI server for the online part. Where it cannot run, the tinyserve
 rows still print, after one line saying why vLLM skipped.
 
-What is compared, one engine after the other on the same machine:
+What is compared, on the same machine: offline, the engines of one model and dtype loaded
+together and taking turns round by round (``ROUNDS``); online, one server after the other:
 - engines: tinyserve with its packed decode path (``enforce_eager=False``), tinyserve
   eager, vLLM at its defaults (on CPU it keeps a core for its front end) and vLLM tuned
   as its CPU documentation says (every core computing, Intel OpenMP preloaded);
@@ -24,6 +25,8 @@ greedy tokens equal tinyserve eager's. Nothing is tuned on one side only.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -69,51 +72,111 @@ def workloads(vocab: int, scenarios=VLLM_SCENARIOS, seed: int = 0) -> list[dict]
     return out
 
 
-def run_vllm_offline(model: Path, dtype: str, jobs: list[dict], tuned: bool,
-                     timeout: float = 3600) -> dict:
-    """vLLM's offline API in its own process group; the worker's result
-    (``bench.vllm_worker``). Its log goes to a file: a pipe would stay open as long as
-    any of vLLM's own subprocesses lives."""
-    from tinyserve.serving.processes import sigterm_as_exit, stop_group
-    with tempfile.TemporaryDirectory() as tmp, sigterm_as_exit():
-        job = {"model": str(model), "dtype": dtype, "max_model_len": MAX_MODEL_LEN,
-               "workloads": jobs, "out": f"{tmp}/result.json"}
-        Path(f"{tmp}/job.json").write_text(json.dumps(job))
-        with open(f"{tmp}/log.txt", "w+") as log:
-            proc = subprocess.Popen([str(vllm_python()), "-m", "tinyserve.bench.vllm_worker",
-                                     f"{tmp}/job.json"], env=vllm_env(tuned), stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-            try:
-                code = proc.wait(timeout)
-            finally:
-                stop_group(proc)
-            if code != 0:
-                log.seek(0)
-                raise RuntimeError(f"vLLM worker failed ({code}): {log.read()[-3000:]}")
-        return json.loads(Path(job["out"]).read_text())
+# Offline, every engine of a model and dtype stays loaded and runs all the workloads in
+# ROUNDS turns, ABBA...: engine order reversed every other round, so that each round
+# times the engines next to one another, on one state of a machine whose memory speed
+# drifts by tens of percent from minute to minute (an AMD EPYC Zen 5, 32 MiB L3: one
+# model's B=1 token 14 ms for minutes, then 20). Each workload reports the median round;
+# the ratio of two engines is the median of their per-round ratios. PAUSE between turns
+# lets the OpenMP threads of the engine before stop spinning.
+ROUNDS, PAUSE_S = 3, 1.0
 
 
-def run_tinyserve_offline(model: Path, dtype: str, jobs: list[dict], eager: bool) -> dict:
-    from tinyserve import LLM, SamplingParams
+class VllmOffline:
+    """vLLM's offline API loaded once in its own process group (``bench.vllm_worker``
+    with a control directory), timed in rounds by ``round(r)``. Its log goes to a file: a
+    pipe would stay open as long as any of vLLM's own subprocesses lives."""
 
-    started = time.perf_counter()
-    llm = LLM(str(model), dtype=dtype, max_num_seqs=max(j["concurrency"] for j in jobs),
-              max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, enforce_eager=eager)
-    result = {"start_s": time.perf_counter() - started, "workloads": []}
-    llm.generate([jobs[0]["prompts"][0]], SamplingParams(max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)                                 # warm-up, untimed
-    for w in jobs:
-        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in w["news"]]
-        began = time.perf_counter()
-        if w["concurrency"] == 1:
-            outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(w["prompts"], params)]
-        else:
-            outs = llm.generate(w["prompts"], params, use_tqdm=False)
-        result["workloads"].append({
-            "name": w["name"], "seconds": time.perf_counter() - began,
-            "tokens": [o.token_ids for o in outs],
-            "ttft": [o.metrics.ttft for o in outs], "tpot": [o.metrics.tpot for o in outs]})
-    return result
+    def __init__(self, model: Path, dtype: str, jobs: list[dict], tuned: bool, rounds: int = 1,
+                 timeout: float = 3600):
+        from tinyserve.serving.processes import sigterm_as_exit, stop_group
+        self.timeout, self.stack = timeout, contextlib.ExitStack()
+        try:
+            self.stack.enter_context(sigterm_as_exit())
+            self.dir = Path(self.stack.enter_context(tempfile.TemporaryDirectory()))
+            job = {"model": str(model), "dtype": dtype, "max_model_len": MAX_MODEL_LEN,
+                   "workloads": jobs, "rounds": rounds, "control": str(self.dir),
+                   "out": str(self.dir / "result.json")}
+            (self.dir / "job.json").write_text(json.dumps(job))
+            self.log = self.stack.enter_context(open(self.dir / "log.txt", "w+"))
+            self.proc = subprocess.Popen([str(vllm_python()), "-m", "tinyserve.bench.vllm_worker",
+                                          str(self.dir / "job.json")], env=vllm_env(tuned),
+                                         stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+                                         start_new_session=True)
+            self.stack.callback(stop_group, self.proc)     # first on close: before its directory goes
+            self.start_s = self._wait("ready.json")["start_s"]
+        except BaseException:
+            self.stack.close()
+            raise
+
+    def _wait(self, name: str):
+        path, deadline = self.dir / name, time.monotonic() + self.timeout
+        while not path.exists():
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                raise RuntimeError(f"vLLM worker {'failed (%s)' % code if code is not None else 'timed out'}"
+                                   f" before {name}: {self.log.read()[-3000:]}")
+            time.sleep(0.01)
+        return json.loads(path.read_text())
+
+    def round(self, r: int) -> dict:
+        (self.dir / f"go-{r}").touch()
+        return {"start_s": self.start_s, "workloads": self._wait(f"round-{r}.json")}
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class TinyserveOffline:
+    """tinyserve's ``LLM`` loaded once, timed in rounds by ``round(r)`` as ``VllmOffline``."""
+
+    def __init__(self, model: Path, dtype: str, jobs: list[dict], eager: bool):
+        from tinyserve import LLM, SamplingParams
+        started = time.perf_counter()
+        self.llm = LLM(str(model), dtype=dtype, max_num_seqs=max(j["concurrency"] for j in jobs),
+                       max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, enforce_eager=eager)
+        self.start_s, self.jobs = time.perf_counter() - started, jobs
+        self.llm.generate([jobs[0]["prompts"][0]], SamplingParams(max_tokens=2, ignore_eos=True),
+                          use_tqdm=False)                        # warm-up, untimed
+
+    def round(self, r: int = 0) -> dict:
+        from tinyserve import SamplingParams
+        result = {"start_s": self.start_s, "workloads": []}
+        for w in self.jobs:
+            params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in w["news"]]
+            began = time.perf_counter()
+            if w["concurrency"] == 1:
+                outs = [self.llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(w["prompts"], params)]
+            else:
+                outs = self.llm.generate(w["prompts"], params, use_tqdm=False)
+            result["workloads"].append({
+                "name": w["name"], "seconds": time.perf_counter() - began,
+                "tokens": [o.token_ids for o in outs],
+                "ttft": [o.metrics.ttft for o in outs], "tpot": [o.metrics.tpot for o in outs]})
+        return result
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def start_offline(engine: str, model: Path, dtype: str, jobs: list[dict], rounds: int):
+    if engine.startswith("vLLM"):
+        return VllmOffline(model, dtype, jobs, tuned=engine == "vLLM tuned", rounds=rounds)
+    return TinyserveOffline(model, dtype, jobs, eager=engine == "tinyserve eager")
 
 
 def run_online(server, jobs: list[dict]) -> dict:
@@ -153,17 +216,21 @@ def start_server(engine: str, model: Path, dtype: str, timeout: float = 900):
     return server
 
 
-def summarize(engine: str, mode: str, result: dict, reference: dict | None) -> list[dict]:
+def summarize(engine: str, mode: str, rounds: list[dict], reference: dict | None) -> list[dict]:
+    """One row per workload from ``rounds`` (one result each): output tok/s, TTFT and TPOT
+    of its median round, every round's tok/s; tokens compared from the first round."""
     rows = []
-    for i, w in enumerate(result["workloads"]):
-        ref = reference["workloads"][i]["tokens"] if reference else None
-        tokens = w["tokens"]
-        out_tokens = w.get("output_tokens") or sum(map(len, tokens))
-        mean = lambda xs: statistics.fmean(x for x in xs if x is not None) if any(
-            x is not None for x in xs) else float("nan")
-        rows.append({"engine": engine, "mode": mode, "workload": w["name"],
-                     "tok_per_s": out_tokens / w["seconds"], "ttft": mean(w["ttft"]),
-                     "tpot": mean(w["tpot"]), "start_s": result["start_s"],
+    mean = lambda xs: statistics.fmean(x for x in xs if x is not None) if any(
+        x is not None for x in xs) else float("nan")
+    for i, first in enumerate(rounds[0]["workloads"]):
+        runs = [r["workloads"][i] for r in rounds]
+        rates = [(w.get("output_tokens") or sum(map(len, w["tokens"]))) / w["seconds"] for w in runs]
+        median = sorted(range(len(runs)), key=rates.__getitem__)[(len(runs) - 1) // 2]
+        w, ref = runs[median], reference["workloads"][i]["tokens"] if reference else None
+        tokens = first["tokens"]
+        rows.append({"engine": engine, "mode": mode, "workload": first["name"],
+                     "tok_per_s": rates[median], "tok_per_s_rounds": rates,
+                     "ttft": mean(w["ttft"]), "tpot": mean(w["tpot"]), "start_s": rounds[0]["start_s"],
                      "equal": (sum(a == b for a, b in zip(tokens, ref))
                                if tokens is not None and ref is not None else None),
                      "requests": len(w["ttft"]), "errors": w.get("errors", 0)})
@@ -171,11 +238,16 @@ def summarize(engine: str, mode: str, result: dict, reference: dict | None) -> l
 
 
 def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16"),
-        engines=ENGINES, online: bool = True, say=print, out: str | None = None) -> dict:
-    """Every engine on every model and dtype; the report. With ``out``, the report so far
-    is written there after each engine (a long run that stops keeps what it measured)."""
+        engines=ENGINES, online: bool = True, rounds: int = ROUNDS, say=print,
+        out: str | None = None) -> dict:
+    """Every engine on every model and dtype; the report. Offline, a model and dtype's engines
+    are loaded together and take turns for ``rounds`` rounds (``ROUNDS``); online, each
+    server runs alone, one after the other. With ``out``, the report so far is written
+    there after each model and dtype (a long run that stops keeps what it measured)."""
     from tinyserve.host import fixed_threads, usable_cores
     from tinyserve.measure import this_machine
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     reason = vllm_unavailable()
     if reason:
         say(f"vLLM skipped: {reason}")
@@ -184,7 +256,7 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
     # tinyserve eager first: every other engine's tokens are compared with the first one's.
     order = tuple(dict.fromkeys(e for e in ("tinyserve eager", *engines) if e in engines))
     report = {"benchmark": "peer-vllm", "reference": order[0] if order else None,
-              "vllm": VLLM_VERSION if not reason else None,
+              "vllm": VLLM_VERSION if not reason else None, "rounds": rounds,
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "machine": this_machine().as_dict(), "rows": [],
               # Other programs slow both engines, and not equally: the load is part of the result.
@@ -194,26 +266,30 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
             for dtype in dtypes:
                 model = checkpoint_dir(shape, dtype)
                 jobs = workloads(model_config(shape).vocab_size)
-                reference = None
+                results = {engine: [] for engine in order}
+                with contextlib.ExitStack() as stack:
+                    started = {}
+                    for engine in order:
+                        say(f"{shape} {dtype}: {engine} offline, starting ...", flush=True)
+                        started[engine] = stack.enter_context(start_offline(engine, model, dtype, jobs, rounds))
+                    for r in range(rounds):
+                        say(f"{shape} {dtype}: offline round {r + 1} of {rounds} ...", flush=True)
+                        for engine in (order if r % 2 == 0 else order[::-1]):
+                            time.sleep(PAUSE_S)
+                            results[engine].append(started[engine].round(r))
                 for engine in order:
-                    say(f"{shape} {dtype}: {engine} offline ...", flush=True)
-                    if engine.startswith("vLLM"):
-                        res = run_vllm_offline(model, dtype, jobs, tuned=engine == "vLLM tuned")
-                    else:
-                        res = run_tinyserve_offline(model, dtype, jobs, eager=engine == "tinyserve eager")
-                    reference = reference or res
-                    rows = summarize(engine, "offline", res, reference)
+                    rows = summarize(engine, "offline", results[engine], results[order[0]][0])
                     if online:
                         say(f"{shape} {dtype}: {engine} server ...", flush=True)
                         with start_server(engine, model, dtype) as server:
-                            rows += summarize(engine, "server", run_online(server, jobs), None)
+                            rows += summarize(engine, "server", [run_online(server, jobs)], None)
                     for row in rows:
                         row.update(model=shape, dtype=dtype)
                         say("  " + format_row(row), flush=True)
                     report["rows"] += rows
-                    report["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
-                    if out:
-                        Path(out).write_text(json.dumps(report, indent=1, ensure_ascii=False))
+                report["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
+                if out:
+                    Path(out).write_text(json.dumps(report, indent=1, ensure_ascii=False))
     print_report(report, say)
     return report
 
@@ -242,17 +318,27 @@ def print_report(report: dict, say=print) -> None:
         say(f"load average (1, 5, 15 min) when the run started: {report['load_average']} on "
             f"{m.get('cores', '?')} cores; other programs slow both engines, and not equally")
     for mode in ("offline", "server"):
-        best = {}
+        by_key = {}
         for r in report["rows"]:
             if r["mode"] == mode:
-                best.setdefault((r["model"], r["dtype"], r["workload"]), {})[r["engine"]] = r["tok_per_s"]
-        lines = [(k, v["tinyserve packed"] / v["vLLM tuned"]) for k, v in best.items()
+                by_key.setdefault((r["model"], r["dtype"], r["workload"]), {})[r["engine"]] = r
+        lines = [(k, paired_ratios(v["tinyserve packed"], v["vLLM tuned"])) for k, v in by_key.items()
                  if "tinyserve packed" in v and "vLLM tuned" in v]
         if lines:
-            say(f"\n{mode}: tinyserve packed / vLLM tuned, output tok/s (>1: tinyserve faster)")
-            for (model, dtype, workload), ratio in lines:
-                say(f"  {model:<20}{dtype:<10}{workload:<22}{ratio:>6.2f}x")
+            say(f"\n{mode}: tinyserve packed / vLLM tuned, output tok/s (>1: tinyserve faster)"
+                + ("; median of the rounds' ratios (lowest-highest)" if mode == "offline" else ""))
+            for (model, dtype, workload), ratios in lines:
+                spread = f"  ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if len(ratios) > 1 else ""
+                say(f"  {model:<20}{dtype:<10}{workload:<22}{statistics.median(ratios):>6.2f}x{spread}")
 
+
+def paired_ratios(a: dict, b: dict) -> list[float]:
+    """Row ``a``'s tok/s over row ``b``'s, round by round (each round timed both engines
+    in turn); a report from before rounds has one rate per row."""
+    rounds_a, rounds_b = (r.get("tok_per_s_rounds") or [r["tok_per_s"]] for r in (a, b))
+    if len(rounds_a) != len(rounds_b):
+        return [a["tok_per_s"] / b["tok_per_s"]]
+    return [x / y for x, y in zip(rounds_a, rounds_b)]
 
 def main(args) -> dict:
     engines = tuple(e.strip() for e in args.engines.split(",")) if args.engines else ENGINES
@@ -260,7 +346,8 @@ def main(args) -> dict:
     if unknown:
         raise ValueError(f"engines: unknown {sorted(unknown)}; choose from {list(ENGINES)}")
     report = run(tuple(args.models.split(",")), tuple(args.dtypes.split(",")), engines,
-                 online=not args.no_server, out=args.out)
+                 online=not args.no_server, rounds=ROUNDS if args.rounds is None else args.rounds,
+                 out=args.out)
     if args.out:
         print(f"wrote {args.out}")
     return report

@@ -9,13 +9,20 @@ to stdout, so the result is not printed); the result gives the start-up time, th
 workload the wall time, every request's token ids and vLLM's own TTFT/TPOT of each
 request (``RequestOutput.metrics``, filled when stats are on). Requests of a workload with
 ``concurrency`` 1 go one at a time, the others in one ``generate`` call, as a user would.
+
+With ``control`` (a directory) the engine stays loaded between ``rounds`` of all the
+workloads, so that a caller can time it in turns with other engines on one machine state:
+the worker writes ``ready.json`` (the start-up time) once loaded, waits for the file
+``go-<r>`` before round r and writes that round as ``round-<r>.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 
 def request_times(output) -> tuple[float | None, float | None]:
@@ -43,19 +50,38 @@ def run(job: dict) -> dict:
 
     first = job["workloads"][0]
     generate(first["prompts"][:1], [2])                     # warm-up, untimed
-    for w in job["workloads"]:
-        began = time.perf_counter()
-        if w["concurrency"] == 1:
-            outs = [o for p, n in zip(w["prompts"], w["news"]) for o in generate([p], [n])]
-        else:
-            outs = generate(w["prompts"], w["news"])
-        seconds = time.perf_counter() - began
-        times = [request_times(o) for o in outs]
-        result["workloads"].append({
-            "name": w["name"], "seconds": seconds,
-            "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "ttft": [t for t, _ in times], "tpot": [t for _, t in times]})
+    control = Path(job["control"]) if job.get("control") else None
+    if control:
+        write(control / "ready.json", {"start_s": result["start_s"]})
+    for r in range(job.get("rounds", 1)):
+        while control and not (control / f"go-{r}").exists():
+            time.sleep(0.01)
+        workloads = [run_workload(generate, w) for w in job["workloads"]]
+        if control:
+            write(control / f"round-{r}.json", workloads)
+        if r == 0:
+            result["workloads"] = workloads
     return result
+
+
+def run_workload(generate, w: dict) -> dict:
+    began = time.perf_counter()
+    if w["concurrency"] == 1:
+        outs = [o for p, n in zip(w["prompts"], w["news"]) for o in generate([p], [n])]
+    else:
+        outs = generate(w["prompts"], w["news"])
+    seconds = time.perf_counter() - began
+    times = [request_times(o) for o in outs]
+    return {"name": w["name"], "seconds": seconds,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "ttft": [t for t, _ in times], "tpot": [t for _, t in times]}
+
+
+def write(path: Path, data) -> None:
+    """Whole or not at all: the caller polls for the file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
