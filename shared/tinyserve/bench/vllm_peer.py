@@ -77,8 +77,9 @@ def workloads(vocab: int, scenarios=VLLM_SCENARIOS, seed: int = 0) -> list[dict]
 # times the engines next to one another, on one state of a machine whose memory speed
 # drifts by tens of percent from minute to minute (an AMD EPYC Zen 5, 32 MiB L3: one
 # model's B=1 token 14 ms for minutes, then 20). Each workload reports the median round;
-# the ratio of two engines is the median of their per-round ratios. PAUSE between turns
-# lets the OpenMP threads of the engine before stop spinning.
+# the ratio of two engines is the median of their per-round ratios. Each round has prompts
+# of its own (seed r): a prompt seen in an earlier round would be served from both engines'
+# prefix caches. PAUSE between turns lets the OpenMP threads of the engine before stop spinning.
 ROUNDS, PAUSE_S = 3, 1.0
 
 
@@ -90,7 +91,7 @@ class VllmOffline:
     def __init__(self, model: Path, dtype: str, jobs: list[dict], tuned: bool, rounds: int = 1,
                  timeout: float = 3600):
         from tinyserve.serving.processes import sigterm_as_exit, stop_group
-        self.timeout, self.stack = timeout, contextlib.ExitStack()
+        self.timeout, self.stack, self.jobs = timeout, contextlib.ExitStack(), jobs
         try:
             self.stack.enter_context(sigterm_as_exit())
             self.dir = Path(self.stack.enter_context(tempfile.TemporaryDirectory()))
@@ -120,8 +121,9 @@ class VllmOffline:
             time.sleep(0.01)
         return json.loads(path.read_text())
 
-    def round(self, r: int) -> dict:
-        (self.dir / f"go-{r}").touch()
+    def round(self, r: int, jobs: list[dict] | None = None) -> dict:
+        """The workloads (default: those it started with) once more, as round ``r``."""
+        write_whole(self.dir / f"go-{r}", jobs or self.jobs)
         return {"start_s": self.start_s, "workloads": self._wait(f"round-{r}.json")}
 
     def close(self) -> None:
@@ -132,6 +134,13 @@ class VllmOffline:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def write_whole(path: Path, data) -> None:
+    """JSON written whole or not at all: the other side polls for the file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 class TinyserveOffline:
@@ -146,10 +155,10 @@ class TinyserveOffline:
         self.llm.generate([jobs[0]["prompts"][0]], SamplingParams(max_tokens=2, ignore_eos=True),
                           use_tqdm=False)                        # warm-up, untimed
 
-    def round(self, r: int = 0) -> dict:
+    def round(self, r: int = 0, jobs: list[dict] | None = None) -> dict:
         from tinyserve import SamplingParams
         result = {"start_s": self.start_s, "workloads": []}
-        for w in self.jobs:
+        for w in jobs or self.jobs:
             params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in w["news"]]
             began = time.perf_counter()
             if w["concurrency"] == 1:
@@ -265,7 +274,9 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
         for shape in shapes:
             for dtype in dtypes:
                 model = checkpoint_dir(shape, dtype)
-                jobs = workloads(model_config(shape).vocab_size)
+                # Started on prompts of no round: the warm-up's would be in the prefix caches.
+                vocab = model_config(shape).vocab_size
+                jobs = workloads(vocab, seed=-1)
                 results = {engine: [] for engine in order}
                 with contextlib.ExitStack() as stack:
                     started = {}
@@ -274,15 +285,16 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
                         started[engine] = stack.enter_context(start_offline(engine, model, dtype, jobs, rounds))
                     for r in range(rounds):
                         say(f"{shape} {dtype}: offline round {r + 1} of {rounds} ...", flush=True)
+                        fresh = workloads(vocab, seed=r)
                         for engine in (order if r % 2 == 0 else order[::-1]):
                             time.sleep(PAUSE_S)
-                            results[engine].append(started[engine].round(r))
+                            results[engine].append(started[engine].round(r, fresh))
                 for engine in order:
                     rows = summarize(engine, "offline", results[engine], results[order[0]][0])
                     if online:
                         say(f"{shape} {dtype}: {engine} server ...", flush=True)
                         with start_server(engine, model, dtype) as server:
-                            rows += summarize(engine, "server", [run_online(server, jobs)], None)
+                            rows += summarize(engine, "server", [run_online(server, workloads(vocab))], None)
                     for row in rows:
                         row.update(model=shape, dtype=dtype)
                         say("  " + format_row(row), flush=True)

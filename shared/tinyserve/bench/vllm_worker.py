@@ -13,7 +13,7 @@ request (``RequestOutput.metrics``, filled when stats are on). Requests of a wor
 With ``control`` (a directory) the engine stays loaded between ``rounds`` of all the
 workloads, so that a caller can time it in turns with other engines on one machine state:
 the worker writes ``ready.json`` (the start-up time) once loaded, waits for the file
-``go-<r>`` before round r and writes that round as ``round-<r>.json``.
+``go-<r>`` (that round's workloads) before round r and writes the round as ``round-<r>.json``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def run(job: dict) -> dict:
     for r in range(job.get("rounds", 1)):
         while control and not (control / f"go-{r}").exists():
             time.sleep(0.01)
-        workloads = [run_workload(generate, w) for w in job["workloads"]]
+        jobs = json.loads((control / f"go-{r}").read_text()) if control else job["workloads"]
+        workloads = [run_workload(generate, w) for w in jobs]
         if control:
             write(control / f"round-{r}.json", workloads)
         if r == 0:
