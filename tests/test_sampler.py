@@ -66,3 +66,13 @@ def test_generate_tokenizes_each_text_prompt_once(monkeypatch):
     outs = llm.generate(prompts, SamplingParams(max_tokens=2))
     assert calls == prompts
     assert [o.prompt_token_ids for o in outs] == [encode(p) for p in prompts]
+
+
+def test_greedy_picks_what_argmax_picks_on_bf16_rows_with_ties_and_nans():
+    # bf16 has few values: rows of 4,096 draws from 64 hold many equal maxima; a NaN wins.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 64, (8, 4096), generator=gen).to(torch.bfloat16) / 8
+    logits[3, 100] = float("nan")
+    logits[5] = float("-inf")
+    assert sampler.greedy(logits) == logits.argmax(dim=-1).tolist()
+    assert sampler.greedy(logits[:, :1000]) == logits[:, :1000].argmax(dim=-1).tolist()   # a strided view

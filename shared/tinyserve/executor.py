@@ -165,7 +165,7 @@ class ModelExecutor:
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> dict[str, int]:
         logits = logits[:, :self.vocab_size]
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = sampler.greedy(logits)
         rows = [r for r, item in enumerate(items) if not item.request.sampling_params.greedy]
         if rows:
             for row, token in zip(rows, self._draw(logits, [items[r].request for r in rows], rows)):
