@@ -38,6 +38,7 @@ from pathlib import Path
 from tinyserve.bench.peer import MIXED_NEW, PROMPT_LENS, Scenario
 from tinyserve.bench.random_checkpoint import checkpoint_dir, model_config
 from tinyserve.bench.vllm_setup import REPO, VLLM_VERSION, serve, vllm_env, vllm_python, vllm_unavailable
+from tinyserve.bench.vllm_worker import write
 from tinyserve.host import cache_root
 
 VLLM_SCENARIOS = (Scenario("B=1", 1, 4), Scenario("B=32", 32, 32),
@@ -79,7 +80,8 @@ def workloads(vocab: int, scenarios=VLLM_SCENARIOS, seed: int = 0) -> list[dict]
 # model's B=1 token 14 ms for minutes, then 20). Each workload reports the median round;
 # the ratio of two engines is the median of their per-round ratios. Each round has prompts
 # of its own (seed r): a prompt seen in an earlier round would be served from both engines'
-# prefix caches. PAUSE between turns lets the OpenMP threads of the engine before stop spinning.
+# prefix caches. PAUSE_S between turns lets the OpenMP threads of the engine before stop
+# spinning.
 ROUNDS, PAUSE_S = 3, 1.0
 
 
@@ -123,7 +125,7 @@ class VllmOffline:
 
     def round(self, r: int, jobs: list[dict] | None = None) -> dict:
         """The workloads (default: those it started with) once more, as round ``r``."""
-        write_whole(self.dir / f"go-{r}", jobs or self.jobs)
+        write(self.dir / f"go-{r}", jobs or self.jobs)
         return {"start_s": self.start_s, "workloads": self._wait(f"round-{r}.json")}
 
     def close(self) -> None:
@@ -134,13 +136,6 @@ class VllmOffline:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def write_whole(path: Path, data) -> None:
-    """JSON written whole or not at all: the other side polls for the file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 class TinyserveOffline:
@@ -227,7 +222,8 @@ def start_server(engine: str, model: Path, dtype: str, timeout: float = 900):
 
 def summarize(engine: str, mode: str, rounds: list[dict], reference: dict | None) -> list[dict]:
     """One row per workload from ``rounds`` (one result each): output tok/s, TTFT and TPOT
-    of its median round, every round's tok/s; tokens compared from the first round."""
+    of its median round (the lower middle one of an even count), every round's tok/s;
+    tokens compared from the first round."""
     rows = []
     mean = lambda xs: statistics.fmean(x for x in xs if x is not None) if any(
         x is not None for x in xs) else float("nan")
@@ -274,8 +270,8 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
         for shape in shapes:
             for dtype in dtypes:
                 model = checkpoint_dir(shape, dtype)
-                # Started on prompts of no round: the warm-up's would be in the prefix caches.
                 vocab = model_config(shape).vocab_size
+                # Started on prompts of no round: the warm-up's would be in the prefix caches.
                 jobs = workloads(vocab, seed=-1)
                 results = {engine: [] for engine in order}
                 with contextlib.ExitStack() as stack:
@@ -351,6 +347,7 @@ def paired_ratios(a: dict, b: dict) -> list[float]:
     if len(rounds_a) != len(rounds_b):
         return [a["tok_per_s"] / b["tok_per_s"]]
     return [x / y for x, y in zip(rounds_a, rounds_b)]
+
 
 def main(args) -> dict:
     engines = tuple(e.strip() for e in args.engines.split(",")) if args.engines else ENGINES

@@ -79,7 +79,8 @@ def run_workload(generate, w: dict) -> dict:
 
 
 def write(path: Path, data) -> None:
-    """Whole or not at all: the caller polls for the file."""
+    """JSON written whole or not at all: the other side polls for the file (``bench.vllm_peer``
+    writes each round's workloads with it too)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
