@@ -98,8 +98,7 @@ class VllmOffline:
             self.stack.enter_context(sigterm_as_exit())
             self.dir = Path(self.stack.enter_context(tempfile.TemporaryDirectory()))
             job = {"model": str(model), "dtype": dtype, "max_model_len": MAX_MODEL_LEN,
-                   "workloads": jobs, "rounds": rounds, "control": str(self.dir),
-                   "out": str(self.dir / "result.json")}
+                   "workloads": jobs, "rounds": rounds, "control": str(self.dir)}
             (self.dir / "job.json").write_text(json.dumps(job))
             self.log = self.stack.enter_context(open(self.dir / "log.txt", "w+"))
             self.proc = subprocess.Popen([str(vllm_python()), "-m", "tinyserve.bench.vllm_worker",

@@ -3,17 +3,16 @@
     .venv-vllm/bin/python -m tinyserve.bench.vllm_worker job.json
 
 It imports nothing from tinyserve but this file, so vLLM's environment needs only
-``pip install --no-deps -e .``. The job names a checkpoint directory, a dtype and the
-workloads (token ids and output lengths) and the file to write the result to (vLLM logs
-to stdout, so the result is not printed); the result gives the start-up time, then per
-workload the wall time, every request's token ids and vLLM's own TTFT/TPOT of each
-request (``RequestOutput.metrics``, filled when stats are on). Requests of a workload with
+``pip install --no-deps -e .``. The job names a checkpoint directory, a dtype, the
+workloads (token ids and output lengths) it warms up on, how many ``rounds`` to run and
+a ``control`` directory through which the caller (``bench.vllm_peer.VllmOffline``) drives
+it, so that the engine stays loaded and can be timed in turns with other engines on one
+machine state (vLLM logs to stdout, so nothing is printed): the worker writes
+``ready.json`` (the start-up time) once loaded, waits for the file ``go-<r>`` (that
+round's workloads) and writes the round as ``round-<r>.json``: per workload the wall
+time, every request's token ids and vLLM's own TTFT/TPOT of each request
+(``RequestOutput.metrics``, filled when stats are on). Requests of a workload with
 ``concurrency`` 1 go one at a time, the others in one ``generate`` call, as a user would.
-
-With ``control`` (a directory) the engine stays loaded between ``rounds`` of all the
-workloads, so that a caller can time it in turns with other engines on one machine state:
-the worker writes ``ready.json`` (the start-up time) once loaded, waits for the file
-``go-<r>`` (that round's workloads) before round r and writes the round as ``round-<r>.json``.
 """
 
 from __future__ import annotations
@@ -35,13 +34,13 @@ def request_times(output) -> tuple[float | None, float | None]:
     return m.first_token_latency, tpot
 
 
-def run(job: dict) -> dict:
+def run(job: dict) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     started = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job["dtype"], seed=0, disable_log_stats=False,
               max_model_len=job["max_model_len"], max_num_seqs=job.get("max_num_seqs", 256))
-    result = {"start_s": time.perf_counter() - started, "workloads": []}
+    start_s = time.perf_counter() - started
 
     def generate(prompts, news):
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in news]
@@ -50,19 +49,13 @@ def run(job: dict) -> dict:
 
     first = job["workloads"][0]
     generate(first["prompts"][:1], [2])                     # warm-up, untimed
-    control = Path(job["control"]) if job.get("control") else None
-    if control:
-        write(control / "ready.json", {"start_s": result["start_s"]})
-    for r in range(job.get("rounds", 1)):
-        while control and not (control / f"go-{r}").exists():
+    control = Path(job["control"])
+    write(control / "ready.json", {"start_s": start_s})
+    for r in range(job["rounds"]):
+        go = control / f"go-{r}"
+        while not go.exists():
             time.sleep(0.01)
-        jobs = json.loads((control / f"go-{r}").read_text()) if control else job["workloads"]
-        workloads = [run_workload(generate, w) for w in jobs]
-        if control:
-            write(control / f"round-{r}.json", workloads)
-        if r == 0:
-            result["workloads"] = workloads
-    return result
+        write(control / f"round-{r}.json", [run_workload(generate, w) for w in json.loads(go.read_text())])
 
 
 def run_workload(generate, w: dict) -> dict:
@@ -88,7 +81,4 @@ def write(path: Path, data) -> None:
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        job = json.load(f)
-    result = run(job)
-    with open(job["out"], "w") as f:
-        json.dump(result, f)
+        run(json.load(f))
