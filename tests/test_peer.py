@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from tinyserve.bench import peer, vllm_peer, vllm_setup
+from tinyserve.bench.random_checkpoint import model_config
+from tinyserve.model import LlamaForServing
+from tinyserve.packed_gemm import weight_bytes
 
 pytest.importorskip("transformers")
 
@@ -63,18 +66,32 @@ def test_the_shipped_vllm_run_names_its_machine_and_holds_only_what_make_peer_ru
     assert "equal tinyserve packed's" in printed[0]
 
 
-def test_peer_engines_loaded_together_take_turns_and_report_their_median_round():
+def test_peer_engines_loaded_together_take_turns_and_report_their_median_round(monkeypatch):
     # vLLM left out: the rounds, the turns and the report are the same for any engine.
-    said = []
+    said, turns, turn = [], [], vllm_peer.TinyserveOffline.turn
+    def recorded(self, t=0, jobs=None):
+        turns.append(("eager" if self.llm.engine.executor.enforce_eager else "packed", t,
+                      [w["name"] for w in jobs]))
+        return turn(self, t, jobs)
+    monkeypatch.setattr(vllm_peer.TinyserveOffline, "turn", recorded)
     report = vllm_peer.run(shapes=("small",), dtypes=("float32",), online=False, rounds=3,
                            engines=("tinyserve packed", "tinyserve eager"), say=lambda line, **_: said.append(line))
     assert report["rounds"] == 3
-    assert [s for s in said if "round" in s] == [f"small float32: offline round {r} of 3 ..." for r in (1, 2, 3)]
+    # One workload per turn, the two engines' turns at it back to back, who goes first
+    # alternating: eager packed, packed eager, eager packed ...
+    names = [s.name for s in vllm_peer.VLLM_SCENARIOS] * 3
+    assert turns == [(e, t, [names[t]]) for t in range(9)
+                     for e in (("eager", "packed") if t % 2 == 0 else ("packed", "eager"))]
+    assert [s for s in said if "offline round" in s] == [f"small float32: offline round {r} of 3 ..." for r in (1, 2, 3)]
     rows = {(r["engine"], r["workload"]): r for r in report["rows"]}
     assert len(rows) == 2 * len(vllm_peer.VLLM_SCENARIOS)
     for row in rows.values():
         assert len(row["tok_per_s_rounds"]) == 3 and row["tok_per_s"] == sorted(row["tok_per_s_rounds"])[1]
         assert row["equal"] == row["requests"], row          # packed and eager: the same greedy tokens
+    # A read bandwidth measured before each round, against the bytes the small model's step reads.
+    [floor] = report["floors"]
+    assert floor["weight_bytes"] == weight_bytes(LlamaForServing.from_seed(model_config("small"), 0))
+    assert len(floor["read_bandwidth_rounds"]) == 3 and min(floor["read_bandwidth_rounds"]) > 0
 
 
 def test_the_ratio_of_two_engines_is_the_median_of_their_rounds_ratios():
@@ -89,6 +106,13 @@ def test_the_ratio_of_two_engines_is_the_median_of_their_rounds_ratios():
     vllm_peer.print_report({"machine": {"cpu": "x", "cores": 2}, "vllm": "v", "rows": [ours, theirs]},
                            printed.append)
     assert printed[-1].split() == ["m", "d", "B=1", "1.50x", "(0.50-2.00,", "3", "rounds)"]
+    # The B=1 TPOTs against the floor: 1 GB at 100 GB/s, 10 ms; 1.2x vLLM's speed takes 10 / 1.2 ms.
+    floors = [{"model": "m", "dtype": "d", "weight_bytes": 1e9, "read_bandwidth_rounds": [80e9, 100e9]}]
+    printed = []
+    vllm_peer.print_floors({"rows": [ours, {**theirs, "tpot": 0.012}], "floors": floors}, printed.append)
+    assert printed[-1].split() == ["m", "d", "floor", "10.0", "ms", "(954", "MiB", "/", "100.0", "GB/s):",
+                                   "tinyserve", "packed", "1.00", "vLLM", "tuned", "1.20;", "1.2x", "vLLM",
+                                   "tuned", "would", "take", "1.00"]
     # A report from before rounds: one rate per row.
     assert vllm_peer.paired_ratios(*({**r, "tok_per_s_rounds": None} for r in (ours, theirs))) == [1.0]
 

@@ -57,13 +57,13 @@ def scrape(url):
 def test_vllm_offline_gives_tinyserves_greedy_tokens(model):
     jobs = vllm_peer.workloads(model_config(SHAPE).vocab_size,
                                (Scenario("B=1", 1, 2), Scenario("B=8, mixed", 8, 8, mixed_outputs=True)))
-    # Loaded once and run in two rounds (as `bench peer` times the engines in turns): the
-    # second round gives the first one's tokens.
-    with vllm_peer.VllmOffline(model, DTYPE, jobs, tuned=True, rounds=2) as engine:
-        theirs, again = engine.round(0), engine.round(1)
+    # Loaded once and run in two turns (as `bench peer` times the engines): the second
+    # turn gives the first one's tokens.
+    with vllm_peer.VllmOffline(model, DTYPE, jobs, tuned=True, turns=2) as engine:
+        theirs, again = engine.turn(0), engine.turn(1)
     assert [w["tokens"] for w in again["workloads"]] == [w["tokens"] for w in theirs["workloads"]]
     with vllm_peer.TinyserveOffline(model, DTYPE, jobs, eager=True) as engine:
-        ours = engine.round(0)
+        ours = engine.turn(0)
     for t, o in zip(theirs["workloads"], ours["workloads"]):
         assert [len(x) for x in t["tokens"]] == next(j["news"] for j in jobs if j["name"] == t["name"])
         for i, (a, b) in enumerate(zip(t["tokens"], o["tokens"])):

@@ -7,7 +7,7 @@ offline API, its OpenAI server for the online part. Where it cannot run, the tin
 rows still print, after one line saying why vLLM skipped.
 
 What is compared, on the same machine: offline, the engines of one model and dtype loaded
-together and taking turns round by round (``ROUNDS``); online, one server after the other:
+together and taking turns workload by workload, for ``ROUNDS`` rounds; online, one server after the other:
 - engines: tinyserve with its packed decode path (``enforce_eager=False``), tinyserve
   eager, vLLM at its defaults (on CPU it keeps a core for its front end) and vLLM tuned
   as its CPU documentation says (every core computing, Intel OpenMP preloaded);
@@ -21,6 +21,9 @@ together and taking turns round by round (``ROUNDS``); online, one server after 
 Every row prints output tok/s, mean TTFT and TPOT (each engine's own per-request
 timestamps offline, the client's online), start-up seconds and how many requests'
 greedy tokens equal tinyserve eager's. Nothing is tuned on one side only.
+The B=1 TPOTs are also printed against the weight-read floor (the bytes a decode step
+reads over the best read bandwidth, measured before each round): how close to it an
+engine runs bounds how much faster any other engine can be.
 """
 
 from __future__ import annotations
@@ -74,23 +77,25 @@ def workloads(vocab: int, scenarios=VLLM_SCENARIOS, seed: int = 0) -> list[dict]
 
 
 # Offline, every engine of a model and dtype stays loaded and runs all the workloads in
-# ROUNDS turns, ABBA...: engine order reversed every other round, so that each round
-# times the engines next to one another, on one state of a machine whose memory speed
-# drifts by tens of percent from minute to minute (an AMD EPYC Zen 5, 32 MiB L3: one
-# model's B=1 token 14 ms for minutes, then 20). Each workload reports the median round;
-# the ratio of two engines is the median of their per-round ratios. Each round has prompts
-# of its own (seed r): a prompt seen in an earlier round would be served from both engines'
-# prefix caches. PAUSE_S between turns lets the OpenMP threads of the engine before stop
-# spinning.
+# ROUNDS rounds of turns: in each round every workload runs on each engine, the engines'
+# turns at one workload back to back and their order reversed every turn (ABBA...), so
+# that a pair times the engines next to one another, on one state of a machine whose
+# memory speed drifts by tens of percent from minute to minute (an AMD EPYC Zen 5, 32 MiB
+# L3: one model's B=1 token 14 ms for minutes, then 20; a round of whole workloads per
+# turn put a minute between an engine's B=1 and the other's, and their ratio spread
+# 0.70-0.84 over three rounds). Each workload reports the median round; the ratio of two
+# engines is the median of their per-round ratios. Each round has prompts of its own
+# (seed r): a prompt seen in an earlier round would be served from both engines' prefix
+# caches. PAUSE_S between turns lets the OpenMP threads of the engine before stop spinning.
 ROUNDS, PAUSE_S = 3, 1.0
 
 
 class VllmOffline:
     """vLLM's offline API loaded once in its own process group (``bench.vllm_worker``
-    with a control directory), timed in rounds by ``round(r)``. Its log goes to a file: a
+    with a control directory), timed in turns by ``turn(t)``. Its log goes to a file: a
     pipe would stay open as long as any of vLLM's own subprocesses lives."""
 
-    def __init__(self, model: Path, dtype: str, jobs: list[dict], tuned: bool, rounds: int = 1,
+    def __init__(self, model: Path, dtype: str, jobs: list[dict], tuned: bool, turns: int = 1,
                  timeout: float = 3600):
         from tinyserve.serving.processes import sigterm_as_exit, stop_group
         self.timeout, self.stack, self.jobs = timeout, contextlib.ExitStack(), jobs
@@ -98,7 +103,7 @@ class VllmOffline:
             self.stack.enter_context(sigterm_as_exit())
             self.dir = Path(self.stack.enter_context(tempfile.TemporaryDirectory()))
             job = {"model": str(model), "dtype": dtype, "max_model_len": MAX_MODEL_LEN,
-                   "workloads": jobs, "rounds": rounds, "control": str(self.dir)}
+                   "workloads": jobs, "turns": turns, "control": str(self.dir)}
             (self.dir / "job.json").write_text(json.dumps(job))
             self.log = self.stack.enter_context(open(self.dir / "log.txt", "w+"))
             self.proc = subprocess.Popen([str(vllm_python()), "-m", "tinyserve.bench.vllm_worker",
@@ -122,10 +127,10 @@ class VllmOffline:
             time.sleep(0.01)
         return json.loads(path.read_text())
 
-    def round(self, r: int, jobs: list[dict] | None = None) -> dict:
-        """The workloads (default: those it started with) once more, as round ``r``."""
-        write(self.dir / f"go-{r}", jobs or self.jobs)
-        return {"start_s": self.start_s, "workloads": self._wait(f"round-{r}.json")}
+    def turn(self, t: int, jobs: list[dict] | None = None) -> dict:
+        """The workloads (default: those it started with) once more, as turn ``t``."""
+        write(self.dir / f"go-{t}", jobs or self.jobs)
+        return {"start_s": self.start_s, "workloads": self._wait(f"turn-{t}.json")}
 
     def close(self) -> None:
         self.stack.close()
@@ -138,7 +143,7 @@ class VllmOffline:
 
 
 class TinyserveOffline:
-    """tinyserve's ``LLM`` loaded once, timed in rounds by ``round(r)`` as ``VllmOffline``."""
+    """tinyserve's ``LLM`` loaded once, timed in turns by ``turn(t)`` as ``VllmOffline``."""
 
     def __init__(self, model: Path, dtype: str, jobs: list[dict], eager: bool):
         from tinyserve import LLM, SamplingParams
@@ -149,7 +154,7 @@ class TinyserveOffline:
         self.llm.generate([jobs[0]["prompts"][0]], SamplingParams(max_tokens=2, ignore_eos=True),
                           use_tqdm=False)                        # warm-up, untimed
 
-    def round(self, r: int = 0, jobs: list[dict] | None = None) -> dict:
+    def turn(self, t: int = 0, jobs: list[dict] | None = None) -> dict:
         from tinyserve import SamplingParams
         result = {"start_s": self.start_s, "workloads": []}
         for w in jobs or self.jobs:
@@ -176,9 +181,9 @@ class TinyserveOffline:
         self.close()
 
 
-def start_offline(engine: str, model: Path, dtype: str, jobs: list[dict], rounds: int):
+def start_offline(engine: str, model: Path, dtype: str, jobs: list[dict], turns: int):
     if engine.startswith("vLLM"):
-        return VllmOffline(model, dtype, jobs, tuned=engine == "vLLM tuned", rounds=rounds)
+        return VllmOffline(model, dtype, jobs, tuned=engine == "vLLM tuned", turns=turns)
     return TinyserveOffline(model, dtype, jobs, eager=engine == "tinyserve eager")
 
 
@@ -219,6 +224,15 @@ def start_server(engine: str, model: Path, dtype: str, timeout: float = 900):
     return server
 
 
+def decode_bytes(shape: str, dtype: str) -> int:
+    """The bytes one decode step of ``shape`` in ``dtype`` reads (``packed_gemm.weight_bytes``)."""
+    import torch
+    from tinyserve.model import LlamaForServing
+    from tinyserve.packed_gemm import weight_bytes
+    with torch.device("meta"):                  # shapes only: no memory, no init
+        return weight_bytes(LlamaForServing(model_config(shape)).to(getattr(torch, dtype)))
+
+
 def summarize(engine: str, mode: str, rounds: list[dict], reference: dict | None) -> list[dict]:
     """One row per workload from ``rounds`` (one result each): output tok/s, TTFT and TPOT
     of its median round (the lower middle one of an even count), every round's tok/s;
@@ -249,7 +263,7 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
     server runs alone, one after the other. With ``out``, the report so far is written
     there after each model and dtype (a long run that stops keeps what it measured)."""
     from tinyserve.host import fixed_threads, usable_cores
-    from tinyserve.measure import this_machine
+    from tinyserve.measure import read_bandwidth, this_machine
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     reason = vllm_unavailable()
@@ -262,7 +276,7 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
     report = {"benchmark": "peer-vllm", "reference": order[0] if order else None,
               "vllm": VLLM_VERSION if not reason else None, "rounds": rounds,
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "machine": this_machine().as_dict(), "rows": [],
+              "machine": this_machine().as_dict(), "rows": [], "floors": [],
               # Other programs slow both engines, and not equally: the load is part of the result.
               "load_average": [round(x, 1) for x in os.getloadavg()]}
     with fixed_threads(usable_cores()):
@@ -273,17 +287,24 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
                 # Started on prompts of no round: the warm-up's would be in the prefix caches.
                 jobs = workloads(vocab, seed=-1)
                 results = {engine: [] for engine in order}
+                bandwidths = []
                 with contextlib.ExitStack() as stack:
                     started = {}
                     for engine in order:
                         say(f"{shape} {dtype}: {engine} offline, starting ...", flush=True)
-                        started[engine] = stack.enter_context(start_offline(engine, model, dtype, jobs, rounds))
+                        started[engine] = stack.enter_context(
+                            start_offline(engine, model, dtype, jobs, turns=rounds * len(jobs)))
                     for r in range(rounds):
                         say(f"{shape} {dtype}: offline round {r + 1} of {rounds} ...", flush=True)
-                        fresh = workloads(vocab, seed=r)
-                        for engine in (order if r % 2 == 0 else order[::-1]):
-                            time.sleep(PAUSE_S)
-                            results[engine].append(started[engine].round(r, fresh))
+                        time.sleep(PAUSE_S)
+                        bandwidths.append(read_bandwidth("cpu", seconds=0.5))
+                        for engine in order:
+                            results[engine].append({"start_s": started[engine].start_s, "workloads": []})
+                        for i, w in enumerate(workloads(vocab, seed=r)):
+                            t = r * len(jobs) + i
+                            for engine in (order if t % 2 == 0 else order[::-1]):
+                                time.sleep(PAUSE_S)
+                                results[engine][r]["workloads"] += started[engine].turn(t, [w])["workloads"]
                 for engine in order:
                     rows = summarize(engine, "offline", results[engine], results[order[0]][0])
                     if online:
@@ -294,6 +315,9 @@ def run(shapes=("cpu-bench", "qwen2.5-0.5b-shape"), dtypes=("float32", "bfloat16
                         row.update(model=shape, dtype=dtype)
                         say("  " + format_row(row), flush=True)
                     report["rows"] += rows
+                report["floors"].append({"model": shape, "dtype": dtype,
+                                         "weight_bytes": decode_bytes(shape, dtype),
+                                         "read_bandwidth_rounds": bandwidths})
                 report["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
                 if out:
                     Path(out).write_text(json.dumps(report, indent=1, ensure_ascii=False))
@@ -337,6 +361,25 @@ def print_report(report: dict, say=print) -> None:
             for (model, dtype, workload), ratios in lines:
                 spread = f"  ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if len(ratios) > 1 else ""
                 say(f"  {model:<20}{dtype:<10}{workload:<22}{statistics.median(ratios):>6.2f}x{spread}")
+    print_floors(report, say)
+
+
+def print_floors(report: dict, say=print) -> None:
+    """Each offline B=1 TPOT as a multiple of the weight-read floor, and the multiple that
+    1.2x vLLM tuned's speed would take."""
+    floors = report.get("floors") or []
+    if floors:
+        say("\noffline B=1 against the weight-read floor (bytes a decode step reads / the best "
+            "read bandwidth, measured before each round): TPOT / floor")
+    for f in floors:
+        floor = f["weight_bytes"] / max(f["read_bandwidth_rounds"])
+        tpots = {r["engine"]: r["tpot"] for r in report["rows"] if r["mode"] == "offline"
+                 and r["workload"] == "B=1" and (r["model"], r["dtype"]) == (f["model"], f["dtype"])}
+        line = "  ".join(f"{e} {t / floor:.2f}" for e, t in tpots.items())
+        if "vLLM tuned" in tpots:
+            line += f"; 1.2x vLLM tuned would take {tpots['vLLM tuned'] / 1.2 / floor:.2f}"
+        say(f"  {f['model']:<20}{f['dtype']:<10}floor {floor * 1e3:.1f} ms "
+            f"({f['weight_bytes'] / 2**20:.0f} MiB / {max(f['read_bandwidth_rounds']) / 1e9:.1f} GB/s): {line}")
 
 
 def paired_ratios(a: dict, b: dict) -> list[float]:

@@ -4,12 +4,12 @@
 
 It imports nothing from tinyserve but this file, so vLLM's environment needs only
 ``pip install --no-deps -e .``. The job names a checkpoint directory, a dtype, the
-workloads (token ids and output lengths) it warms up on, how many ``rounds`` to run and
+workloads (token ids and output lengths) it warms up on, how many ``turns`` to run and
 a ``control`` directory through which the caller (``bench.vllm_peer.VllmOffline``) drives
 it, so that the engine stays loaded and can be timed in turns with other engines on one
 machine state (vLLM logs to stdout, so nothing is printed): the worker writes
-``ready.json`` (the start-up time) once loaded, waits for the file ``go-<r>`` (that
-round's workloads) and writes the round as ``round-<r>.json``: per workload the wall
+``ready.json`` (the start-up time) once loaded, waits for the file ``go-<t>`` (that
+turn's workloads) and writes the turn as ``turn-<t>.json``: per workload the wall
 time, every request's token ids and vLLM's own TTFT/TPOT of each request
 (``RequestOutput.metrics``, filled when stats are on). Requests of a workload with
 ``concurrency`` 1 go one at a time, the others in one ``generate`` call, as a user would.
@@ -51,11 +51,11 @@ def run(job: dict) -> None:
     generate(first["prompts"][:1], [2])                     # warm-up, untimed
     control = Path(job["control"])
     write(control / "ready.json", {"start_s": start_s})
-    for r in range(job["rounds"]):
-        go = control / f"go-{r}"
+    for t in range(job["turns"]):
+        go = control / f"go-{t}"
         while not go.exists():
             time.sleep(0.01)
-        write(control / f"round-{r}.json", [run_workload(generate, w) for w in json.loads(go.read_text())])
+        write(control / f"turn-{t}.json", [run_workload(generate, w) for w in json.loads(go.read_text())])
 
 
 def run_workload(generate, w: dict) -> dict:
@@ -73,7 +73,7 @@ def run_workload(generate, w: dict) -> dict:
 
 def write(path: Path, data) -> None:
     """JSON written whole or not at all: the other side polls for the file (``bench.vllm_peer``
-    writes each round's workloads with it too)."""
+    writes each turn's workloads with it too)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
