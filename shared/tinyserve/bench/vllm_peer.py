@@ -7,7 +7,8 @@ offline API, its OpenAI server for the online part. Where it cannot run, the tin
 rows still print, after one line saying why vLLM skipped.
 
 What is compared, on the same machine: offline, the engines of one model and dtype loaded
-together and taking turns workload by workload, for ``ROUNDS`` rounds; online, one server after the other:
+together and taking turns workload by workload, for ``ROUNDS`` rounds; online, one server
+after the other:
 - engines: tinyserve with its packed decode path (``enforce_eager=False``), tinyserve
   eager, vLLM at its defaults (on CPU it keeps a core for its front end) and vLLM tuned
   as its CPU documentation says (every core computing, Intel OpenMP preloaded);
@@ -372,14 +373,15 @@ def print_floors(report: dict, say=print) -> None:
         say("\noffline B=1 against the weight-read floor (bytes a decode step reads / the best "
             "read bandwidth, measured before each round): TPOT / floor")
     for f in floors:
-        floor = f["weight_bytes"] / max(f["read_bandwidth_rounds"])
+        bandwidth = max(f["read_bandwidth_rounds"])
+        floor = f["weight_bytes"] / bandwidth
         tpots = {r["engine"]: r["tpot"] for r in report["rows"] if r["mode"] == "offline"
                  and r["workload"] == "B=1" and (r["model"], r["dtype"]) == (f["model"], f["dtype"])}
         line = "  ".join(f"{e} {t / floor:.2f}" for e, t in tpots.items())
         if "vLLM tuned" in tpots:
             line += f"; 1.2x vLLM tuned would take {tpots['vLLM tuned'] / 1.2 / floor:.2f}"
         say(f"  {f['model']:<20}{f['dtype']:<10}floor {floor * 1e3:.1f} ms "
-            f"({f['weight_bytes'] / 2**20:.0f} MiB / {max(f['read_bandwidth_rounds']) / 1e9:.1f} GB/s): {line}")
+            f"({f['weight_bytes'] / 2**20:.0f} MiB / {bandwidth / 1e9:.1f} GB/s): {line}")
 
 
 def paired_ratios(a: dict, b: dict) -> list[float]:
