@@ -290,3 +290,15 @@ def test_interleaved_times_rotates_the_order_and_times_every_call():
     assert all(t >= 0 for ts in times.values() for t in ts)
     with pytest.raises(ValueError, match="rounds: need at least 1, got 0"):
         host.interleaved_times(fns, rounds=0)
+
+
+def test_the_cpu_is_named_with_its_family_and_model_where_the_kernel_gives_them():
+    # A VM's bare model name says nothing of the generation; the numbers do. Only the first
+    # processor counts.
+    cpuinfo = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+               "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 1\n"
+               "model name\t: AMD EPYC\n")
+    assert host.describe_cpu(cpuinfo) == "AMD EPYC (family 26, model 2)"
+    assert host.describe_cpu("processor\t: 0\nmodel name\t: Some ARM core\n") == "Some ARM core"
+    assert host.describe_cpu("processor\t: 0\nBogoMIPS\t: 50.00\n") == ""
+    assert host.cpu_name()

@@ -31,14 +31,32 @@ from typing import Callable
 
 
 def cpu_name() -> str:
-    try:
+    """The CPU's model name, with its family and model numbers where the kernel reports them
+    (x86): a virtual machine often shows a bare "AMD EPYC" or "Intel(R) Xeon(R) Processor",
+    which says nothing of the generation (AMD family 25 is Zen 3 and 4, 26 is Zen 5)."""
+    with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+            name = describe_cpu(f.read())
+        if name:
+            return name
     return platform.processor() or platform.machine() or "CPU"
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """``cpu_name`` from the text of ``/proc/cpuinfo`` (its first processor), "" without a
+    model name."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break           # the blank line after the first processor
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "")
+    if name and "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def cache_root() -> Path:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from tinyserve import kernels as K
-from tinyserve.host import interleaved_times
+from tinyserve.host import cpu_name, interleaved_times
 
 GiB = 1 << 30
 HIDDEN = 4096          # Llama-2-7B's hidden size
@@ -42,16 +42,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # ---- shared helpers ----------------------------------------------------------------------
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def machine_info(device: str) -> dict:
     info = {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu_name(),
