@@ -43,6 +43,26 @@ static inline void prefetch_head(const void *base, int bf16, long at, long D) {
 
 typedef int32_t i8 __attribute__((vector_size(32)));
 
+#ifdef __AVX512F__
+/* 16 lanes, for the value sums where the CPU has 32 vector registers of 512 bits: the 16
+ * sums below and their operands fit. With AVX2's 16 of 256 bits they spilled (an AMD EPYC
+ * Zen 5 built for Haswell: 3.4x the time of the path that follows), so elsewhere the values
+ * take that path. */
+typedef float f16 __attribute__((vector_size(64)));
+#define WIDE_VALUES 1
+
+/* The 16 numbers from element `at` on, as fp32 (bf16 widened in registers, not copied). */
+static inline f16 load16(const void *base, int bf16, long at) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+        return (f16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return (f16)_mm512_loadu_ps((const float *)base + at);
+}
+#else
+#define WIDE_VALUES 0
+#endif
+
 /* e^x in 8 lanes for x <= 0 (a softmax's shifted scores; glibc's expf, one lane per call, was
  * a sixth of this kernel's time): x = n ln2 + r with |r| <= ln2/2, e^r = 1 + r + r^2 P(r) with
  * the coefficients of Cephes' expf, 2^n written into the exponent bits. x below -87 is taken
@@ -102,7 +122,7 @@ static inline void axpy(float p, const float *x, float *y, long D) {
     for (; d < D; d++) y[d] += p * x[d];
 }
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)     /* DQ: the 8-lane halves */
 /* The scores of G query rows against 8 keys, from the bf16 numbers as they lie: vdpbf16ps
  * multiplies 32 pairs exactly and adds each pair's two products into an fp32 lane, with
  * no widening copies. AMD EPYC Zen 5 (family 26 model 2), B=32, contexts of 128-192, a
@@ -232,35 +252,66 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
                 for (; t < ctx; t++) sum += s[t] = expf(s[t] - top);
                 for (long t = 0; t < ctx; t++) s[t] /= sum;
             }
-            /* Values: per query row, up to 64 of its sums held in registers (8 vectors) while
-             * the row's weights run over the context; the rest of a row's D by lanes. All G
-             * rows read every value: bf16 ones are widened once, into vbuf, not G times. */
-            const float *values = v_cache;
-            if (bf16) {
-                for (long t = 0; t < ctx; t++) {
-                    head(v_cache, 1, at[t], D, vbuf + t * D);
-                    at[t] = t * D;      /* the keys are done with: at now walks vbuf */
-                }
-                values = vbuf;
-            }
-            memset(acc, 0, sizeof(float) * G * D);
-            for (long g = 0; g < G; g++) {
-                const float *p = scores + g * ctx;
-                float *out_g = acc + g * D;
-                long d0 = 0;
-                for (; d0 + 64 <= D; d0 += 64) {
-                    f8 a[8] = {{0}};
-                    for (long t = 0; t < ctx; t++) {
-                        const float *e = values + at[t] + d0;
-                        f8 pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
-                        for (int c = 0; c < 8; c++)
-                            a[c] += pt * load_f32(e + 8 * c);
+#if WIDE_VALUES
+            /* Values, for head sizes a multiple of 64: up to 4 query rows at a time, 64 of
+             * each row's sums held in registers (16 vectors of 16) while the context runs;
+             * each value is read and widened once for all of them, straight from the cache.
+             * Every sum is taken over the tokens in order, as the other path does: the same
+             * numbers. AMD EPYC Zen 5 (family 26 model 2), B=32, contexts 128-192, a cold
+             * cache: a layer of bf16 attention in 0.78x the time of widening the values into
+             * a buffer first (cpu-bench's heads; 0.71x the 0.5B shape's), fp32 as before. */
+            if (D % 64 == 0) {
+                for (long g0 = 0; g0 < G; g0 += 4) {
+                    long rows = G - g0 < 4 ? G - g0 : 4;
+                    for (long d0 = 0; d0 < D; d0 += 64) {
+                        f16 a[4][4] = {{{0}}};
+                        for (long t = 0; t < ctx; t++) {
+                            f16 v[4];
+                            for (int c = 0; c < 4; c++) v[c] = load16(v_cache, bf16, at[t] + d0 + 16 * c);
+                            #pragma GCC unroll 4
+                            for (int r = 0; r < 4; r++) {
+                                if (r == rows) break;
+                                f16 p = scores[(g0 + r) * ctx + t] + (f16){0};
+                                for (int c = 0; c < 4; c++) a[r][c] += p * v[c];
+                            }
+                        }
+                        for (int r = 0; r < rows; r++) memcpy(acc + (g0 + r) * D + d0, a[r], sizeof a[r]);
                     }
-                    memcpy(out_g + d0, a, sizeof a);
                 }
-                if (d0 < D)
-                    for (long t = 0; t < ctx; t++)
-                        axpy(p[t], values + at[t] + d0, out_g + d0, D - d0);
+            } else
+#endif
+            {
+                /* Other head sizes and CPUs: per query row, up to 64 of its sums held in
+                 * registers (8 vectors) while the row's weights run over the context; the rest
+                 * of a row's D by lanes. All G rows read every value: bf16 ones are widened
+                 * once, into vbuf, not G times. */
+                const float *values = v_cache;
+                if (bf16) {
+                    for (long t = 0; t < ctx; t++) {
+                        head(v_cache, 1, at[t], D, vbuf + t * D);
+                        at[t] = t * D;      /* the keys are done with: at now walks vbuf */
+                    }
+                    values = vbuf;
+                }
+                memset(acc, 0, sizeof(float) * G * D);
+                for (long g = 0; g < G; g++) {
+                    const float *p = scores + g * ctx;
+                    float *out_g = acc + g * D;
+                    long d0 = 0;
+                    for (; d0 + 64 <= D; d0 += 64) {
+                        f8 a[8] = {{0}};
+                        for (long t = 0; t < ctx; t++) {
+                            const float *e = values + at[t] + d0;
+                            f8 pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
+                            for (int c = 0; c < 8; c++)
+                                a[c] += pt * load_f32(e + 8 * c);
+                        }
+                        memcpy(out_g + d0, a, sizeof a);
+                    }
+                    if (d0 < D)
+                        for (long t = 0; t < ctx; t++)
+                            axpy(p[t], values + at[t] + d0, out_g + d0, D - d0);
+                }
             }
             for (long g = 0; g < G; g++) {
                 long o = (b * Hq + h * G + g) * D;
