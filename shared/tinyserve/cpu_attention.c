@@ -45,9 +45,9 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 
 #ifdef __AVX512F__
 /* 16 lanes, for the value sums where the CPU has 32 vector registers of 512 bits: the 16
- * sums below and their operands fit. With AVX2's 16 of 256 bits they spilled (an AMD EPYC
- * Zen 5 built for Haswell: 3.4x the time of the path that follows), so elsewhere the values
- * take that path. */
+ * sums below and their operands fit. With AVX2's 16 of 256 bits they spilled (built for
+ * Haswell, on an AMD EPYC Zen 5: 3.4x the time of the buffered path), so other CPUs keep
+ * the buffered path. */
 typedef float f16 __attribute__((vector_size(64)));
 #define WIDE_VALUES 1
 
@@ -126,10 +126,10 @@ static inline void axpy(float p, const float *x, float *y, long D) {
 /* The scores of G query rows against 8 keys, from the bf16 numbers as they lie: vdpbf16ps
  * multiplies 32 pairs exactly and adds each pair's two products into an fp32 lane, with
  * no widening copies. AMD EPYC Zen 5 (family 26 model 2), B=32, contexts of 128-192, a
- * cold cache, with the prefetch above against neither: a layer of cpu-bench's heads in
- * 0.78-0.93x the time (median 0.87, 6 interleaved runs), the 0.5B shape's in 0.83-0.86x. Sums
- * are taken in another order than the fp32 path's (pairs first): results differ from it in
- * the last bits of fp32, as two orders of one sum do. D a multiple of 32. */
+ * cold cache: with this and the prefetch distance above, a layer of cpu-bench's heads took
+ * 0.78-0.93x the time of neither (median 0.87, 6 interleaved runs), the 0.5B shape's
+ * 0.83-0.86x. Sums are taken in another order than the fp32 path's (pairs first): results
+ * differ from it in the last bits of fp32, as two orders of one sum do. D a multiple of 32. */
 static void scores8_bf16(const uint16_t *q, const uint16_t *k_cache, const long *at, long G,
                          long D, float scale, float *scores, long ctx) {
     for (long g = 0; g < G; g++) {
@@ -171,10 +171,13 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
     for (long b = 0; b < B; b++)
         for (long h = 0; h < Hkv; h++) {
             long ctx = lens[b];
+            int values_in_registers = WIDE_VALUES && D % 64 == 0;
             /* where each token's head vector starts; the G query rows, their scores over the
-             * context, their sums; one widened row, 8 widened keys; in bf16, the widened values */
+             * context, their sums; one widened row, 8 widened keys; in bf16, unless the values
+             * are summed in registers, the widened values */
+            long vbuf_len = bf16 && !values_in_registers ? ctx * D : 0;
             long *at = malloc(sizeof(long) * ctx +
-                              sizeof(float) * (2 * G * D + G * ctx + 9 * D + (bf16 ? ctx * D : 0)));
+                              sizeof(float) * (2 * G * D + G * ctx + 9 * D + vbuf_len));
             if (!at) {
                 #pragma omp atomic write
                 failed = 1;
@@ -260,7 +263,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache,
              * numbers. AMD EPYC Zen 5 (family 26 model 2), B=32, contexts 128-192, a cold
              * cache: a layer of bf16 attention in 0.78x the time of widening the values into
              * a buffer first (cpu-bench's heads; 0.71x the 0.5B shape's), fp32 as before. */
-            if (D % 64 == 0) {
+            if (values_in_registers) {
                 for (long g0 = 0; g0 < G; g0 += 4) {
                     long rows = G - g0 < 4 ? G - g0 : 4;
                     for (long d0 = 0; d0 < D; d0 += 64) {

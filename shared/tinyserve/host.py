@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import math
 import os
 import platform
@@ -36,7 +37,9 @@ def cpu_name() -> str:
     which says nothing of the generation (AMD family 25 is Zen 3 and 4, 26 is Zen 5)."""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
-            name = describe_cpu(f.read())
+            # The first processor's lines only: a large server's whole file takes the kernel
+            # milliseconds per processor to write, and native.load asks at every start.
+            name = describe_cpu("".join(itertools.takewhile(str.strip, f)))
         if name:
             return name
     return platform.processor() or platform.machine() or "CPU"
