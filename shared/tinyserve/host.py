@@ -37,8 +37,8 @@ def cpu_name() -> str:
     which says nothing of the generation (AMD family 25 is Zen 3 and 4, 26 is Zen 5)."""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
-            # The first processor's lines only: a large server's whole file takes the kernel
-            # milliseconds per processor to write, and native.load asks at every start.
+            # The first processor's lines only: the file holds a block per processor (hundreds
+            # on a server), and native.load asks at every start.
             name = describe_cpu("".join(itertools.takewhile(str.strip, f)))
         if name:
             return name
